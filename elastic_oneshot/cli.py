@@ -1,0 +1,80 @@
+"""Command line: arguments only; everything else lives behind `api.oneshot`."""
+
+import argparse
+import logging
+import sys
+
+from .errors import UsageError
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="elastic-oneshot", description="Elastic, resumable GPTQ compression.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="compress a model (run again to resume)")
+    run.add_argument("--model", help="Hugging Face model directory (default: the embedded SmolLM2-135M)")
+    run.add_argument("--dataset", default="builtin",
+                     help="builtin, a .jsonl/.json/.txt/.parquet file, a save_to_disk directory, or a hub name")
+    run.add_argument("--text-column", default="text")
+    run.add_argument("--scheme", default="W4A16", choices=["W4A16", "W8A16"])
+    run.add_argument("--num-samples", type=int, default=128)
+    run.add_argument("--seq-len", type=int, default=512)
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--group-size", type=int, help="default: the scheme's (128); -1 for per-channel")
+    run.add_argument("--asym", action="store_true", help="asymmetric quantization (with zero points)")
+    run.add_argument("--actorder", default="static", choices=["static", "group", "none"])
+    run.add_argument("--dampening-frac", type=float, default=0.01)
+    run.add_argument("--block-size", type=int, default=128)
+    run.add_argument("--ignore", action="append", default=[],
+                     help="module name or re:pattern to leave unquantized (repeatable; lm_head always)")
+    run.add_argument("--chunk-size", type=int, default=8, help="calibration samples per chunk file")
+    run.add_argument("--state", help="state directory (default: OUTPUT.state)")
+    run.add_argument("--output", help="output directory (default: MODEL-SCHEME)")
+    run.add_argument("--restart", action="store_true", help="discard a state directory of another job")
+    run.add_argument("--trust-remote-code", action="store_true")
+    run.add_argument("--eval-samples", type=int, default=0,
+                     help="print perplexity on this many held-out samples before and after")
+
+    export = sub.add_parser("export", help="write the checkpoint of a finished state")
+    export.add_argument("--state", required=True)
+    export.add_argument("--output", required=True)
+
+    ev = sub.add_parser("eval", help="perplexity of a model over held-out samples")
+    ev.add_argument("--model", required=True)
+    ev.add_argument("--dataset", default="builtin")
+    ev.add_argument("--text-column", default="text")
+    ev.add_argument("--num-samples", type=int, default=16)
+    ev.add_argument("--seq-len", type=int, default=512)
+    return p
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
+    try:
+        if args.command == "run":
+            from .api import oneshot
+
+            oneshot(model=args.model, dataset=args.dataset, scheme=args.scheme,
+                    num_calibration_samples=args.num_samples, max_seq_length=args.seq_len,
+                    output_dir=args.output, state_dir=args.state, seed=args.seed,
+                    text_column=args.text_column, group_size=args.group_size, symmetric=not args.asym,
+                    actorder=None if args.actorder == "none" else args.actorder,
+                    dampening_frac=args.dampening_frac, block_size=args.block_size,
+                    ignore=tuple(args.ignore), restart=args.restart,
+                    trust_remote_code=args.trust_remote_code, chunk_size=args.chunk_size,
+                    eval_samples=args.eval_samples)
+        elif args.command == "export":
+            from .export import export
+            from .state import StateStore
+
+            print(export(StateStore(args.state), args.output))
+        elif args.command == "eval":
+            from .evaluate import perplexity
+
+            ppl = perplexity(args.model, args.dataset, args.num_samples, args.seq_len, args.text_column)
+            print(f"perplexity {ppl:.4f} on {args.num_samples} held-out samples of {args.seq_len} tokens")
+    except UsageError as e:
+        print(f"elastic-oneshot: error: {e}", file=sys.stderr)
+        return 2
+    return 0

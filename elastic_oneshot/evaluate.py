@@ -1,0 +1,27 @@
+"""Perplexity over held-out samples (blocks the calibration never draws from)."""
+
+import math
+
+import torch
+import transformers
+
+from .data import heldout_samples
+from .errors import UsageError
+
+
+@torch.inference_mode()
+def perplexity(model_dir: str, dataset: str = "builtin", num_samples: int = 16, seq_len: int = 512,
+               text_column: str = "text", batch_size: int = 4) -> float:
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    except OSError as e:
+        raise UsageError(f"cannot load {model_dir}: {str(e).splitlines()[0]}") from None
+    ids = heldout_samples(dataset, tokenizer, num_samples, seq_len, text_column)
+    total, count = 0.0, 0
+    for batch in ids.split(batch_size):
+        logits = model(input_ids=batch).logits[:, :-1].float()
+        nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten(), reduction="sum")
+        total += nll.item()
+        count += batch[:, 1:].numel()
+    return math.exp(total / count)

@@ -1,0 +1,111 @@
+"""GPTQ (Frantar et al., 2022) with LLM Compressor's semantics. Pure math: no I/O, no processes.
+
+Matches llmcompressor 0.14's GPTQModifier: Hessian 2/n * sum x x^T over the n calibration sequences,
+scales from the original weight's min/max (fixed during the solve), static activation ordering,
+dead columns zeroed, damping 0.01 * mean(diag H). Two differences, both deliberate: a Cholesky
+failure retries with more damping before falling back to round-to-nearest, and modules that share
+an input (and so a Hessian) are solved together as one matrix, their rows stacked.
+"""
+
+import dataclasses
+from copy import copy
+
+import torch
+from compressed_tensors.quantization import QuantizationArgs, QuantizationStrategy, fake_quantize
+from compressed_tensors.quantization.utils import calculate_qparams
+
+DAMPING_RETRIES = 3  # each retry multiplies the damping fraction by 10
+
+
+def hessian_add(acc: torch.Tensor, x: torch.Tensor):
+    """acc (fp64) += X^T X for the rows of `x`; the product runs in fp32, the running sum in fp64 so
+    that the total hardly depends on how the samples were split across chunks and ranks."""
+    x = x.reshape(-1, x.shape[-1]).float()
+    acc += torch.mm(x.t(), x)
+
+
+def qparams(weight: torch.Tensor, args: QuantizationArgs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and zero point from the weight's min and max per group (the peer's memoryless_minmax)."""
+    if args.strategy == QuantizationStrategy.GROUP:
+        w = weight.unflatten(-1, (-1, args.group_size))
+    else:
+        w = weight.unsqueeze(-2)
+    return calculate_qparams(w.amin(-1), w.amax(-1), args)
+
+
+@dataclasses.dataclass
+class Result:
+    weight: torch.Tensor  # fake-quantized weight: exactly representable by (codes, scale, zero point)
+    scale: torch.Tensor
+    zero_point: torch.Tensor
+    damping: float | None  # dampening fraction that made H positive definite; None: round-to-nearest
+    loss: float
+
+
+def inverse_cholesky(h: torch.Tensor, frac: float) -> tuple[torch.Tensor | None, float]:
+    """Upper Cholesky factor of (H + damp*I)^-1, retrying with more damping when H is not positive definite."""
+    mean_diag = torch.mean(torch.diag(h))
+    for attempt in range(DAMPING_RETRIES + 1):
+        f = frac if attempt == 0 else max(frac, 0.01) * 10**attempt
+        damped = h.clone()
+        damped.diagonal().add_(f * mean_diag)
+        chol, info = torch.linalg.cholesky_ex(damped)
+        if info == 0:
+            inv, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(chol), upper=True)
+            if info == 0:
+                return inv, f
+    return None, frac
+
+
+def quantize(weight: torch.Tensor, hessian: torch.Tensor, args: QuantizationArgs,
+             block_size: int = 128, dampening_frac: float = 0.01) -> Result:
+    """GPTQ one weight matrix [rows, cols] against its normalized Hessian [cols, cols]."""
+    scale, zero_point = qparams(weight, args)
+    W = weight.to(torch.float32).clone()
+    H = hessian.to(torch.float32).clone()
+    rows, cols = W.shape
+
+    perm = None
+    if args.actorder:
+        perm = torch.argsort(torch.diag(H), descending=True)
+        W, H = W[:, perm], H[perm][:, perm]
+    if args.strategy == QuantizationStrategy.GROUP:
+        g_idx = torch.arange(cols) // args.group_size
+        g_idx = g_idx[perm] if perm is not None else g_idx
+        col_scale, col_zp = scale[:, g_idx], zero_point[:, g_idx]
+    else:
+        col_scale, col_zp = scale.expand(rows, cols), zero_point.expand(rows, cols)
+    zp_used = None if args.symmetric else col_zp
+
+    dead = torch.diag(H) == 0
+    H.diagonal()[dead] = 1
+    W[:, dead] = 0
+    Hinv, damping = inverse_cholesky(H, dampening_frac)
+    if Hinv is None:
+        damping = None
+        Hinv = torch.eye(cols)
+
+    column_args = copy(args)
+    column_args.strategy = QuantizationStrategy.CHANNEL
+    loss = torch.zeros(rows)
+    for i1 in range(0, cols, block_size):
+        i2 = min(i1 + block_size, cols)
+        W1 = W[:, i1:i2].clone()
+        Err1 = torch.zeros_like(W1)
+        Hinv1 = Hinv[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            w = W1[:, i]
+            q = fake_quantize(w.unsqueeze(1), col_scale[:, i1 + i:i1 + i + 1],
+                              None if zp_used is None else zp_used[:, i1 + i:i1 + i + 1],
+                              column_args).squeeze(1)
+            err = (w - q) / Hinv1[i, i]
+            W1[:, i] = q
+            Err1[:, i] = err
+            loss += err.square() / 2
+            W1[:, i + 1:] -= err.unsqueeze(1) * Hinv1[i, i + 1:].unsqueeze(0)
+        W[:, i1:i2] = W1
+        W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
+
+    if perm is not None:
+        W = W[:, torch.argsort(perm)]
+    return Result(W.to(weight.dtype), scale.to(weight.dtype), zero_point, damping, float(loss.sum()))

@@ -1,0 +1,49 @@
+"""What is being compressed, and the fingerprint that ties a state directory to it."""
+
+import dataclasses
+import hashlib
+import json
+
+import torch
+
+from .recipe import Recipe
+from .state import FORMAT
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    model: str
+    dataset: str = "builtin"
+    recipe: Recipe = Recipe()
+    num_samples: int = 128
+    seq_len: int = 512
+    seed: int = 0
+    text_column: str = "text"
+    chunk_size: int = 8
+    trust_remote_code: bool = False
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "recipe": self.recipe.to_dict()}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Job":
+        return cls(**{**d, "recipe": Recipe.from_dict(d["recipe"])})
+
+
+def tokens_digest(tokens: torch.Tensor) -> str:
+    return hashlib.sha256(tokens.numpy().tobytes() + str(tuple(tokens.shape)).encode()).hexdigest()
+
+
+def job_record(job: Job, model_digest: str, tokens: torch.Tensor, num_layers: int) -> dict:
+    """job.json's body. The identity (model content, token content, recipe, sampling, state format)
+    decides whether a state directory belongs to this job; paths do not."""
+    identity = {
+        "format": FORMAT,
+        "model": model_digest,
+        "dataset": tokens_digest(tokens),
+        "recipe": job.recipe.to_dict(),
+        "samples": {"num_samples": job.num_samples, "seq_len": job.seq_len, "seed": job.seed,
+                    "chunk_size": job.chunk_size},
+    }
+    fingerprint = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+    return {"fingerprint": fingerprint, "identity": identity, "job": job.to_dict(), "num_layers": num_layers}

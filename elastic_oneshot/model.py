@@ -1,0 +1,166 @@
+"""The source model, never materialized: a meta skeleton plus tensors read from safetensors on demand."""
+
+import copy
+import hashlib
+import json
+import os
+import struct
+
+import torch
+import transformers
+from safetensors import safe_open
+
+from .errors import UsageError
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def _read_header(path: str) -> bytes:
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return f.read(n)
+
+
+class SourceModel:
+    """A Hugging Face model directory: config, meta skeleton, and per-layer weights read lazily."""
+
+    def __init__(self, path: str, trust_remote_code: bool = False):
+        if not os.path.isdir(path):
+            raise UsageError(f"model directory {path} does not exist")
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise UsageError(f"{path} has no config.json: not a Hugging Face model directory")
+        self.path = path
+        try:
+            self.config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        except (ValueError, KeyError) as e:
+            raise UsageError(f"cannot read {path}/config.json: {str(e).splitlines()[0]}") from e
+        model_type = self.config.model_type
+        if model_type not in SUPPORTED_MODEL_TYPES and not trust_remote_code:
+            arch = ",".join(getattr(self.config, "architectures", None) or [model_type])
+            raise UsageError(f"architecture {arch} (model_type {model_type!r}) is not supported; "
+                             f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        self.dtype = self.config.dtype or torch.float32
+        if isinstance(self.dtype, str):
+            self.dtype = getattr(torch, self.dtype)
+        with torch.device("meta"):
+            self.skeleton = transformers.AutoModelForCausalLM.from_config(
+                self.config, dtype=self.dtype, attn_implementation="sdpa",
+                trust_remote_code=trust_remote_code)
+        self.decoder = self.skeleton.get_decoder()
+        self.layers = self.decoder.layers
+        self.layer_prefix = next(n for n, m in self.skeleton.named_modules() if m is self.layers) + "."
+        self.weight_map = self._weight_map()
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def _weight_map(self) -> dict[str, str]:
+        index = os.path.join(self.path, "model.safetensors.index.json")
+        if os.path.isfile(index):
+            with open(index) as f:
+                return {k: os.path.join(self.path, v) for k, v in json.load(f)["weight_map"].items()}
+        files = sorted(f for f in os.listdir(self.path) if f.endswith(".safetensors"))
+        if not files:
+            raise UsageError(f"{self.path} has no .safetensors weights")
+        return {name: os.path.join(self.path, f) for f in files
+                for name in json.loads(_read_header(os.path.join(self.path, f))) if name != "__metadata__"}
+
+    def digest(self) -> str:
+        """Identity of the model: its config and the headers (names, dtypes, shapes, offsets) of its shards."""
+        h = hashlib.sha256()
+        with open(os.path.join(self.path, "config.json"), "rb") as f:
+            h.update(f.read())
+        for shard in sorted(set(self.weight_map.values())):
+            h.update(os.path.basename(shard).encode())
+            h.update(str(os.path.getsize(shard)).encode())
+            h.update(_read_header(shard))
+        return h.hexdigest()
+
+    def read(self, names) -> dict[str, torch.Tensor]:
+        missing = [n for n in names if n not in self.weight_map]
+        if missing:
+            raise UsageError(f"{self.path} lacks tensors {missing[:3]}: unsupported checkpoint layout")
+        by_file: dict[str, list[str]] = {}
+        for n in names:
+            by_file.setdefault(self.weight_map[n], []).append(n)
+        out = {}
+        for path, group in by_file.items():
+            with safe_open(path, "pt") as f:
+                out.update({n: f.get_tensor(n) for n in group})
+        return out
+
+    def load(self, module: torch.nn.Module, prefix: str) -> torch.nn.Module:
+        """A CPU copy of a meta submodule with its weights read from the checkpoint."""
+        module = copy.deepcopy(module)
+        state = module.state_dict()
+        tensors = self.read([prefix + k for k in state])
+        module.load_state_dict({k: tensors[prefix + k].to(v.dtype) for k, v in state.items()},
+                               assign=True, strict=True)
+        if any(b.is_meta for b in module.buffers()):
+            raise UsageError(f"{type(module).__name__} has buffers not stored in the checkpoint: "
+                             "unsupported architecture")
+        return module.eval()
+
+    def load_layer(self, index: int) -> torch.nn.Module:
+        return self.load(self.layers[index], f"{self.layer_prefix}{index}.")
+
+    def linear_shapes(self, names) -> dict[str, tuple[int, int]]:
+        modules = dict(self.skeleton.named_modules())
+        return {n: tuple(modules[n].weight.shape) for n in names}
+
+
+class _Catcher(torch.nn.Module):
+    """Stands in for a decoder layer: records the arguments it is called with, passes hidden states on."""
+
+    def __init__(self, layer, record: list):
+        super().__init__()
+        self.attention_type = getattr(layer, "attention_type", None)
+        self.record = record
+
+    def forward(self, hidden_states, *args, **kwargs):
+        self.record.append((hidden_states, args, kwargs))
+        return hidden_states
+
+
+class Embedder:
+    """Layer 0's inputs from token ids, and the keyword arguments (position embeddings, masks) that
+    every decoder layer takes, produced by the model's own forward with the layers stubbed out."""
+
+    def __init__(self, source: SourceModel):
+        decoder = source.decoder
+        prefix = next(n for n, m in source.skeleton.named_modules() if m is decoder)
+        shell = copy.deepcopy(decoder)
+        self.record: list = []
+        shell.layers = torch.nn.ModuleList(_Catcher(layer, self.record) for layer in decoder.layers)
+        shell.norm = torch.nn.Identity()
+        shell.embed_tokens = source.load(decoder.embed_tokens, f"{prefix}.embed_tokens.")
+        shell.rotary_emb = type(decoder.rotary_emb)(config=source.config)
+        if any(t.is_meta for t in list(shell.parameters()) + list(shell.buffers())):
+            raise UsageError(f"{type(decoder).__name__} has modules besides embeddings, rotary "
+                             "embeddings, layers and norm: unsupported architecture")
+        self.shell = shell.eval()
+        self._kwargs: dict[int, list[dict]] = {}
+
+    @torch.no_grad()
+    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Embedded hidden states for a batch of samples; caches the per-layer kwargs for its size."""
+        self.record.clear()
+        self.shell(input_ids=input_ids, use_cache=False)
+        hidden = self.record[0][0]
+        if input_ids.shape[0] not in self._kwargs:
+            self._kwargs[input_ids.shape[0]] = [self._layer_kwargs(args, kw) for _, args, kw in self.record]
+        self.record.clear()
+        return hidden
+
+    @staticmethod
+    def _layer_kwargs(args, kwargs):
+        if args:
+            raise UsageError("decoder layers take positional arguments besides hidden states: "
+                             "unsupported architecture")
+        return {k: v for k, v in kwargs.items() if k not in ("past_key_values", "past_key_value")}
+
+    def layer_kwargs(self, layer: int, batch: int, seq_len: int) -> dict:
+        if batch not in self._kwargs:
+            self(torch.zeros(batch, seq_len, dtype=torch.int64))
+        return self._kwargs[batch][layer]

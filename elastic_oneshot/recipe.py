@@ -1,0 +1,97 @@
+"""What to quantize and how: the GPTQ recipe, expressed in compressed-tensors' own types."""
+
+import dataclasses
+
+from compressed_tensors.quantization import (
+    QuantizationArgs,
+    QuantizationConfig,
+    QuantizationScheme,
+    QuantizationStatus,
+    preset_name_to_scheme,
+)
+from compressed_tensors.utils import match_named_modules
+
+from .errors import UsageError
+
+PRESETS = ("W4A16", "W8A16")
+ACTORDERS = {"static": "static", "weight": "static", "none": None}
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """GPTQ settings with the peer's defaults (llmcompressor's GPTQModifier with a preset scheme)."""
+
+    scheme: str = "W4A16"
+    group_size: int | None = None  # None: the preset's (128)
+    symmetric: bool = True
+    actorder: str | None = "static"
+    dampening_frac: float = 0.01
+    block_size: int = 128
+    targets: tuple[str, ...] = ("Linear",)
+    ignore: tuple[str, ...] = ("lm_head",)
+
+    def __post_init__(self):
+        if self.scheme not in PRESETS:
+            raise UsageError(f"unknown scheme {self.scheme!r}: choose one of {', '.join(PRESETS)}")
+        if self.actorder not in ACTORDERS.values():
+            raise UsageError(f"actorder {self.actorder!r} is not supported: use static or none "
+                             "(compressed-tensors 0.19 removed 'group' activation ordering)")
+        if self.group_size is not None and self.group_size <= 0 and self.group_size != -1:
+            raise UsageError(f"--group-size must be positive (or -1 for per-channel), "
+                             f"not {self.group_size}")
+        if not 0 <= self.dampening_frac < 1 or self.block_size <= 0:
+            raise UsageError("--dampening-frac must be in [0, 1) and --block-size positive")
+
+    @property
+    def weights(self) -> QuantizationArgs:
+        preset = preset_name_to_scheme(self.scheme, ["Linear"]).weights
+        group = self.group_size if self.group_size is not None else preset.group_size
+        return QuantizationArgs(
+            num_bits=preset.num_bits, type=preset.type, symmetric=self.symmetric,
+            strategy="channel" if group == -1 else "group", group_size=None if group == -1 else group,
+            actorder=self.actorder, observer="memoryless_minmax", dynamic=False)
+
+    @property
+    def quant_scheme(self) -> QuantizationScheme:
+        return QuantizationScheme(targets=list(self.targets), weights=self.weights,
+                                  format="pack-quantized")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Recipe":
+        return cls(**{**d, "targets": tuple(d["targets"]), "ignore": tuple(d["ignore"])})
+
+    def quantized_modules(self, model) -> list[str]:
+        """Names of the modules this recipe quantizes, matched as the peer matches them."""
+        return [name for name, _ in match_named_modules(model, list(self.targets), list(self.ignore))]
+
+    def quantization_config(self, model) -> QuantizationConfig:
+        """The config the peer writes: one group, and every unquantized target listed as ignored."""
+        quantized = set(self.quantized_modules(model))
+        every_target = [name for name, _ in match_named_modules(model, list(self.targets), [])]
+        return QuantizationConfig(
+            config_groups={"group_0": self.quant_scheme}, format="pack-quantized",
+            quantization_status=QuantizationStatus.COMPRESSED,
+            ignore=[name for name in every_target if name not in quantized])
+
+
+def check_divisible(recipe: Recipe, shapes: dict[str, tuple[int, int]]):
+    """Refuse a group size that does not divide an input dimension, naming the modules."""
+    group = recipe.weights.group_size
+    if not group:
+        return
+    bad = sorted(name for name, (_, cols) in shapes.items() if cols % group)
+    if bad:
+        dims = sorted({shapes[n][1] for n in bad})
+        shown = ", ".join(bad[:4]) + (f" and {len(bad) - 4} more" if len(bad) > 4 else "")
+        raise UsageError(f"group size {group} does not divide the input dimension {dims} of {shown}: "
+                         f"use another --group-size (e.g. {_divisor_hint(dims, group)}) or --ignore them")
+
+
+def _divisor_hint(dims: list[int], group: int) -> int:
+    g = group
+    while g > 1 and any(d % g for d in dims):
+        g //= 2
+    return g
