@@ -8,6 +8,7 @@ an input (and so a Hessian) are solved together as one matrix, their rows stacke
 """
 
 import dataclasses
+import math
 from copy import copy
 
 import torch
@@ -17,11 +18,20 @@ from compressed_tensors.quantization.utils import calculate_qparams
 DAMPING_RETRIES = 3  # each retry multiplies the damping fraction by 10
 
 
-def hessian_add(acc: torch.Tensor, x: torch.Tensor):
-    """acc (fp64) += X^T X for the rows of `x`; the product runs in fp32, the running sum in fp64 so
-    that the total hardly depends on how the samples were split across chunks and ranks."""
-    x = x.reshape(-1, x.shape[-1]).float()
-    acc += torch.mm(x.t(), x)
+def hessian_add(acc: torch.Tensor, x: torch.Tensor) -> int:
+    """acc (fp64) += sum over the sequences in `x` [batch, tokens, features] of 2 X^T X; returns the
+    number of sequences.
+
+    Each sequence's product is computed exactly as the peer computes it (fp32, scaled by sqrt 2, same
+    operand layout), so the terms are bitwise the peer's; GPTQ's rounding decisions are chaotic in
+    the Hessian's last bits, and this keeps parity. The running sum is fp64, so the total hardly
+    depends on how sequences are split across chunks and ranks.
+    """
+    x = x.reshape(-1, *x.shape[-2:]) if x.dim() > 2 else x.unsqueeze(0)
+    for seq in x:
+        inp = math.sqrt(2) * seq.t().to(torch.float32)
+        acc += inp.matmul(inp.t())
+    return x.shape[0]
 
 
 def qparams(weight: torch.Tensor, args: QuantizationArgs) -> tuple[torch.Tensor, torch.Tensor]:

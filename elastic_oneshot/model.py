@@ -100,7 +100,7 @@ class SourceModel:
         if any(b.is_meta for b in module.buffers()):
             raise UsageError(f"{type(module).__name__} has buffers not stored in the checkpoint: "
                              "unsupported architecture")
-        return module.eval()
+        return module.requires_grad_(False).eval()
 
     def load_layer(self, index: int) -> torch.nn.Module:
         return self.load(self.layers[index], f"{self.layer_prefix}{index}.")

@@ -1,6 +1,8 @@
 """What to quantize and how: the GPTQ recipe, expressed in compressed-tensors' own types."""
 
 import dataclasses
+import math
+import re
 
 from compressed_tensors.quantization import (
     QuantizationArgs,
@@ -80,18 +82,12 @@ class Recipe:
 def check_divisible(recipe: Recipe, shapes: dict[str, tuple[int, int]]):
     """Refuse a group size that does not divide an input dimension, naming the modules."""
     group = recipe.weights.group_size
-    if not group:
+    bad = {name: cols for name, (_, cols) in shapes.items() if group and cols % group}
+    if not bad:
         return
-    bad = sorted(name for name, (_, cols) in shapes.items() if cols % group)
-    if bad:
-        dims = sorted({shapes[n][1] for n in bad})
-        shown = ", ".join(bad[:4]) + (f" and {len(bad) - 4} more" if len(bad) > 4 else "")
-        raise UsageError(f"group size {group} does not divide the input dimension {dims} of {shown}: "
-                         f"use another --group-size (e.g. {_divisor_hint(dims, group)}) or --ignore them")
-
-
-def _divisor_hint(dims: list[int], group: int) -> int:
-    g = group
-    while g > 1 and any(d % g for d in dims):
-        g //= 2
-    return g
+    kinds = sorted({(re.sub(r"\.\d+\.", ".*.", name), cols) for name, cols in bad.items()})
+    shown = ", ".join(f"{name} [{cols}]" for name, cols in kinds[:4]) + (" ..." if len(kinds) > 4 else "")
+    common = math.gcd(*bad.values())
+    hint = max(d for d in range(1, group) if common % d == 0)
+    raise UsageError(f"group size {group} does not divide the input dimension of {len(bad)} modules "
+                     f"({shown}): use --group-size {hint}, or --ignore them (e.g. --ignore 're:{kinds[0][0]}')")

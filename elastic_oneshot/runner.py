@@ -59,9 +59,8 @@ class Calibration:
             x = args[0]
             if name == leader:
                 t = time.perf_counter()
-                gptq.hessian_add(self.hessian[leader], x)
+                self.sequences[leader] += gptq.hessian_add(self.hessian[leader], x)
                 self.seconds += time.perf_counter() - t
-                self.sequences[leader] += x.shape[0] if x.dim() > 2 else 1
                 self._inputs[leader] = x
             elif self._inputs.get(leader) is not x:
                 raise RuntimeError(f"{name} was expected to share its input with {leader}")
@@ -83,7 +82,7 @@ class Calibration:
 
     def normalized(self, leader: str) -> torch.Tensor:
         """The peer's Hessian: 2/n * sum x x^T over n sequences."""
-        return (self.hessian[leader] * (2 / self.sequences[leader])).to(torch.float32)
+        return (self.hessian[leader] / self.sequences[leader]).to(torch.float32)
 
     def remove(self):
         for h in self._handles:
@@ -148,6 +147,7 @@ class Runner:
     def kwargs(self, layer: int, batch: int) -> dict:
         return self.embedder.layer_kwargs(layer, batch, self.job.seq_len)
 
+    @torch.inference_mode()  # also when called from the read-ahead thread
     def inputs(self, layer: int, chunk: int) -> torch.Tensor:
         """Chunk's inputs to `layer`: the embeddings, or the committed boundary; recomputed from an
         earlier boundary when the file is missing or fails its checksum."""

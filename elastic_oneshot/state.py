@@ -118,8 +118,8 @@ class StateStore:
         if current is not None and current.get("fingerprint") == job["fingerprint"] and not restart:
             return True
         if current is not None and not restart:
-            diff = [k for k in ("model", "dataset", "recipe", "samples") if current.get("identity", {}).get(k)
-                    != job.get("identity", {}).get(k)]
+            diff = [k for k in ("model", "dataset", "recipe", "samples")
+                    if _canonical(current.get("identity", {}).get(k)) != _canonical(job["identity"][k])]
             raise UsageError(f"state directory {self.root} belongs to another job (different "
                              f"{', '.join(diff) or 'format or code'}): use another --state, or --restart to discard it")
         if current is None and os.path.isdir(self.root) and os.listdir(self.root) and not restart:

@@ -1,0 +1,138 @@
+"""Durable progress: kill -9 at random moments, corrupted files, and bad input that must lose nothing."""
+
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import run_cli, tree_digest
+from elastic_oneshot import oneshot
+from tiny import make_model, set_architecture
+
+JOB = dict(num_calibration_samples=48, max_seq_length=256, group_size=64, chunk_size=8)
+CLI_JOB = ["--num-samples", 48, "--seq-len", 256, "--chunk-size", 8, "--group-size", 64]
+
+
+@pytest.fixture(scope="module")
+def deep_llama(tmp_path_factory):
+    return make_model(str(tmp_path_factory.mktemp("models") / "llama8"), "llama", num_hidden_layers=8)
+
+
+@pytest.fixture(scope="module")
+def reference(deep_llama, tmp_path_factory):
+    """An uninterrupted run: the bytes every interrupted or repaired run must reproduce."""
+    out = str(tmp_path_factory.mktemp("ref") / "out")
+    oneshot(model=deep_llama, output_dir=out, **JOB)
+    return tree_digest(out)
+
+
+def committed(state) -> int:
+    d = os.path.join(state, "commits")
+    return len(os.listdir(d)) if os.path.isdir(d) else 0
+
+
+def test_kill_9_at_random_moments_then_resume(deep_llama, reference, tmp_path):
+    rng = random.Random(1234)
+    out, state = tmp_path / "out", tmp_path / "state"
+    cmd = [sys.executable, "-m", "elastic_oneshot", "run", "--model", deep_llama, "--output", out,
+           "--state", state, *CLI_JOB]
+    kills, progress = 0, []
+    while kills < 4:
+        log = open(tmp_path / f"run{kills}.log", "w")
+        proc = subprocess.Popen(list(map(str, cmd)), stderr=log, stdout=log)
+        while committed(state) <= (progress[-1] if progress else 0) and proc.poll() is None:
+            time.sleep(0.02)  # let it get past start-up and do some work
+        time.sleep(rng.uniform(0, 0.5))  # about one layer's time
+        if proc.poll() is not None:
+            break  # finished before we could kill it
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        kills += 1
+        progress.append(committed(state))
+    assert kills >= 3, f"the job finished before it could be killed enough ({kills} kills)"
+    assert progress == sorted(progress), "progress went backwards"
+    final = run_cli("run", "--model", deep_llama, "--output", out, "--state", state, *CLI_JOB)
+    assert "resuming" in final.stderr
+    print(f"\ncommitted layers after each of {kills} kills: {progress}")
+    assert tree_digest(out) == reference
+
+
+def test_corrupt_files_are_redone_and_output_is_identical(deep_llama, reference, tmp_path, caplog):
+    out, state = str(tmp_path / "out"), str(tmp_path / "state")
+    oneshot(model=deep_llama, output_dir=out, state_dir=state, **JOB)
+
+    weights = os.path.join(state, "layers/00002/weights.r0.safetensors")
+    with open(weights, "r+b") as f:  # flip bytes inside a committed layer file
+        f.seek(os.path.getsize(weights) // 2)
+        f.write(b"\xde\xad\xbe\xef")
+    manifest = os.path.join(state, "commits/00005.json")
+    with open(manifest, "r+b") as f:
+        f.truncate(os.path.getsize(manifest) // 3)
+    chunk = os.path.join(state, "boundaries/00007/chunk-00002.safetensors")
+    with open(chunk, "r+b") as f:  # the input of the last layer, which we also uncommit
+        f.truncate(100)
+    os.remove(os.path.join(state, "commits/00007.json"))
+
+    shutil.rmtree(out)
+    with caplog.at_level(logging.INFO, logger="elastic_oneshot"):
+        oneshot(model=deep_llama, output_dir=out, state_dir=state, **JOB)
+    text = caplog.text
+    assert "layer 2 will be redone: layers/00002/weights.r0.safetensors does not match its checksum" in text
+    assert "layer 5 will be redone: commits/00005.json is not a readable record" in text
+    assert "boundary 7 chunk 2: boundaries/00007/chunk-00002.safetensors has 100 bytes" in text
+    assert re.findall(r"layer (\d+/\d+) committed", text) == ["3/8", "6/8", "8/8"]
+    assert tree_digest(out) == reference
+
+
+@pytest.fixture(scope="module")
+def committed_state(deep_llama, tmp_path_factory):
+    """A state with committed layers, which no bad input may touch."""
+    root = tmp_path_factory.mktemp("committed")
+    oneshot(model=deep_llama, output_dir=str(root / "out"), state_dir=str(root / "state"), **JOB)
+    return str(root / "state")
+
+
+def bad_inputs(tmp, deep_llama):
+    gpt2 = str(tmp / "gpt2")
+    shutil.copytree(deep_llama, gpt2)
+    with open(os.path.join(gpt2, "config.json")) as f:
+        config = json.load(f)
+    config["model_type"] = "gpt2"
+    with open(os.path.join(gpt2, "config.json"), "w") as f:
+        json.dump(config, f)
+    set_architecture(gpt2, "GPT2LMHeadModel")
+    small = tmp / "small.txt"
+    small.write_text("Just a few words of text.\n" * 20)
+    return {
+        "missing model": (["--model", tmp / "nope"], "does not exist"),
+        "unsupported architecture": (["--model", gpt2], "is not supported"),
+        "dataset too small": (["--model", deep_llama, "--dataset", small], "usable samples"),
+        "group size": (["--model", deep_llama, "--group-size", 48],
+                       "group size 48 does not divide the input dimension of 56 modules"),
+        "foreign state": (["--model", deep_llama, "--seed", 7], "belongs to another job"),
+    }
+
+
+@pytest.mark.parametrize("case", ["missing model", "unsupported architecture", "dataset too small",
+                                  "group size", "foreign state"])
+def test_bad_input_one_line_error_and_nothing_lost(case, deep_llama, committed_state, tmp_path):
+    args, message = bad_inputs(tmp_path, deep_llama)[case]
+    before = tree_digest(committed_state)
+    flags = CLI_JOB[:-2] if "--group-size" in args else CLI_JOB
+    proc = run_cli("run", *args, "--state", committed_state, "--output", tmp_path / "out", *flags, check=False)
+    assert proc.returncode == 2
+    last = proc.stderr.strip().splitlines()[-1]
+    print(f"\n{case}: {last}")
+    assert last.startswith("elastic-oneshot: error: ") and message in last
+    assert "Traceback" not in proc.stderr
+    if case == "group size":
+        assert "--ignore" in last and "--group-size" in last
+    assert tree_digest(committed_state) == before
