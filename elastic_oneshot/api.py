@@ -7,12 +7,14 @@ import transformers
 
 from .data import calibration_samples
 from .default_model import default_model
+from .dist import World
 from .errors import UsageError
 from .evaluate import perplexity
 from .export import export
 from .job import Job, job_record
 from .model import SourceModel
-from .recipe import Recipe
+from .plan import describe, layer_groups, make_plan
+from .recipe import Recipe, check_divisible
 from .runner import Runner
 from .state import StateStore
 
@@ -25,12 +27,14 @@ def oneshot(model: str | None = None, dataset: str = "builtin", scheme: str = "W
             text_column: str = "text", group_size: int | None = None, symmetric: bool = True,
             actorder: str | None = "static", dampening_frac: float = 0.01, block_size: int = 128,
             ignore: tuple[str, ...] = (), restart: bool = False, trust_remote_code: bool = False,
-            chunk_size: int = 8, eval_samples: int = 0) -> str:
+            chunk_size: int = 8, eval_samples: int = 0, collective_timeout: float = 60.0) -> str:
     """Compress `model` with GPTQ, resumably; return the output directory.
 
     Arguments mirror llmcompressor's `oneshot` where they mean the same. `state_dir` holds the
-    progress (default: `<output_dir>.state`); calling again with the same arguments resumes.
+    progress (default: `<output_dir>.state`); calling again with the same arguments resumes. Under
+    torchrun every rank calls this with the same arguments; rank 0 writes the checkpoint.
     """
+    world = World(timeout_s=collective_timeout)
     model = model or default_model()
     if recipe is None:
         recipe = Recipe(scheme=scheme, group_size=group_size, symmetric=symmetric, actorder=actorder,
@@ -47,15 +51,20 @@ def oneshot(model: str | None = None, dataset: str = "builtin", scheme: str = "W
     source = SourceModel(job.model, trust_remote_code)
     tokenizer = transformers.AutoTokenizer.from_pretrained(job.model, trust_remote_code=trust_remote_code)
     tokens = calibration_samples(dataset, tokenizer, job.num_samples, job.seq_len, seed, text_column)
-    runner = Runner(job, state, source, tokens)  # validates the recipe against the model first
-    if state.claim(job_record(job, source.digest(), tokens, source.num_layers), restart=restart):
-        log.info("state %s belongs to this job: resuming", state.root)
-    else:
-        state.write_tensors("tokens.safetensors", {"input_ids": tokens})
+    record = job_record(job, source.digest(), tokens, source.num_layers)
+    world.agree("the job (model, dataset, recipe and sampling arguments)", record["fingerprint"])
+    runner = Runner(job, state, source, tokens, world)  # validates the recipe against the model first
+    outcome = world.broadcast_object(_claim(state, record, tokens, restart) if world.rank == 0 else None)
+    if "error" in outcome:
+        raise UsageError(outcome["error"])
+    runner.epoch = outcome["epoch"]
 
-    if eval_samples:
+    if eval_samples and world.rank == 0:
         before = perplexity(job.model, dataset, eval_samples, job.seq_len, text_column)
     runner.run()
+    if world.rank != 0:
+        return output_dir
+
     export(state, output_dir, source)
     log.info("wrote %s", output_dir)
     if eval_samples:
@@ -63,3 +72,31 @@ def oneshot(model: str | None = None, dataset: str = "builtin", scheme: str = "W
         print(f"perplexity on {eval_samples} held-out samples: before {before:.3f}, after {after:.3f} "
               f"(x{after / before:.4f})")
     return output_dir
+
+
+def _claim(state: StateStore, record: dict, tokens, restart: bool) -> dict:
+    """Rank 0 takes the state directory and starts a new epoch; errors travel to every rank as text."""
+    try:
+        if state.claim(record, restart=restart):
+            log.info("state %s belongs to this job: resuming", state.root)
+        else:
+            state.write_tensors("tokens.safetensors", {"input_ids": tokens})
+        return {"epoch": state.next_epoch()}
+    except UsageError as e:
+        return {"error": str(e)}
+
+
+def plan(model: str, world_size: int, recipe: Recipe = Recipe(), layers: int | None = None) -> list[str]:
+    """The weight-parallel GPTQ plan of every layer, as text; needs only the model's config.json."""
+    source = SourceModel(model)
+    names = recipe.quantized_modules(source.skeleton)
+    check_divisible(recipe, source.linear_shapes(names))
+    lines = [f"{source.config.model_type}: {source.num_layers} layers, {len(names)} GPTQ modules, world size "
+             f"{world_size}; modeled seconds per rank (one CPU thread each)"]
+    for index in range(source.num_layers if layers is None else min(layers, source.num_layers)):
+        prefix = f"{source.layer_prefix}{index}."
+        mine = [n[len(prefix):] for n in names if n.startswith(prefix)]
+        p = make_plan(layer_groups(source.layers[index], mine), world_size)
+        lines.append(f"layer {index}:")
+        lines.extend(describe(p))
+    return lines

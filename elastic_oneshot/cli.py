@@ -2,6 +2,7 @@
 
 import argparse
 import logging
+import os
 import sys
 
 from .errors import UsageError
@@ -34,10 +35,20 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--trust-remote-code", action="store_true")
     run.add_argument("--eval-samples", type=int, default=0,
                      help="print perplexity on this many held-out samples before and after")
+    run.add_argument("--collective-timeout", type=float, default=60.0,
+                     help="seconds before a collective gives up on a silent peer (under torchrun)")
 
     export = sub.add_parser("export", help="write the checkpoint of a finished state")
     export.add_argument("--state", required=True)
     export.add_argument("--output", required=True)
+
+    pl = sub.add_parser("plan", help="preview the weight-parallel GPTQ plan without running")
+    pl.add_argument("--model", required=True, help="model directory, or just its config.json")
+    pl.add_argument("--world-size", type=int, required=True)
+    pl.add_argument("--scheme", default="W4A16", choices=["W4A16", "W8A16"])
+    pl.add_argument("--group-size", type=int)
+    pl.add_argument("--ignore", action="append", default=[])
+    pl.add_argument("--layers", type=int, default=None, help="show only the first N layers")
 
     ev = sub.add_parser("eval", help="perplexity of a model over held-out samples")
     ev.add_argument("--model", required=True)
@@ -50,7 +61,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
+    quiet = os.environ.get("RANK", "0") != "0"  # under torchrun only rank 0 reports progress
+    logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
     try:
         if args.command == "run":
             from .api import oneshot
@@ -63,12 +75,18 @@ def main(argv=None) -> int:
                     dampening_frac=args.dampening_frac, block_size=args.block_size,
                     ignore=tuple(args.ignore), restart=args.restart,
                     trust_remote_code=args.trust_remote_code, chunk_size=args.chunk_size,
-                    eval_samples=args.eval_samples)
+                    eval_samples=args.eval_samples, collective_timeout=args.collective_timeout)
         elif args.command == "export":
             from .export import export
             from .state import StateStore
 
             print(export(StateStore(args.state), args.output))
+        elif args.command == "plan":
+            from .api import plan
+            from .recipe import Recipe
+
+            recipe = Recipe(scheme=args.scheme, group_size=args.group_size, ignore=("lm_head", *args.ignore))
+            print("\n".join(plan(args.model, args.world_size, recipe, args.layers)))
         elif args.command == "eval":
             from .evaluate import perplexity
 

@@ -48,8 +48,30 @@ class Result:
     weight: torch.Tensor  # fake-quantized weight: exactly representable by (codes, scale, zero point)
     scale: torch.Tensor
     zero_point: torch.Tensor
-    damping: float | None  # dampening fraction that made H positive definite; None: round-to-nearest
     loss: float
+
+
+@dataclasses.dataclass
+class Prepared:
+    """What the rows of a weight need from their Hessian; computed once, shared by every row slice."""
+
+    hinv: torch.Tensor  # upper Cholesky factor of the damped inverse, in the permuted order
+    perm: torch.Tensor  # column order of the solve (identity without activation ordering)
+    dead: torch.Tensor  # columns no calibration token touched (bool)
+    damping: float | None  # dampening fraction that made H positive definite; None: round-to-nearest
+
+    def pack(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """As two tensors, to send to another rank."""
+        damping = float("nan") if self.damping is None else self.damping
+        meta = torch.cat([self.perm.double(), self.dead.double(),
+                          torch.tensor([damping], dtype=torch.float64, device=self.perm.device)])
+        return self.hinv, meta
+
+    @classmethod
+    def unpack(cls, hinv: torch.Tensor, meta: torch.Tensor) -> "Prepared":
+        d = hinv.shape[0]
+        damping = meta[2 * d].item()
+        return cls(hinv, meta[:d].long(), meta[d:2 * d].bool(), None if math.isnan(damping) else damping)
 
 
 def inverse_cholesky(h: torch.Tensor, frac: float) -> tuple[torch.Tensor | None, float]:
@@ -67,37 +89,40 @@ def inverse_cholesky(h: torch.Tensor, frac: float) -> tuple[torch.Tensor | None,
     return None, frac
 
 
-def quantize(weight: torch.Tensor, hessian: torch.Tensor, args: QuantizationArgs,
-             block_size: int = 128, dampening_frac: float = 0.01) -> Result:
-    """GPTQ one weight matrix [rows, cols] against its normalized Hessian [cols, cols]."""
-    scale, zero_point = qparams(weight, args)
-    W = weight.to(torch.float32).clone()
+def prepare(hessian: torch.Tensor, actorder, dampening_frac: float = 0.01) -> Prepared:
+    """The O(d^3) part: activation order, dead columns, and the damped inverse's Cholesky factor."""
     H = hessian.to(torch.float32).clone()
-    rows, cols = W.shape
-
-    perm = None
-    if args.actorder:
+    cols = H.shape[0]
+    perm = torch.arange(cols, device=H.device)
+    if actorder:
         perm = torch.argsort(torch.diag(H), descending=True)
-        W, H = W[:, perm], H[perm][:, perm]
+        H = H[perm][:, perm]
+    dead = torch.diag(H) == 0
+    H.diagonal()[dead] = 1
+    hinv, damping = inverse_cholesky(H, dampening_frac)
+    if hinv is None:
+        hinv, damping = torch.eye(cols, device=H.device), None
+    return Prepared(hinv, perm, dead, damping)
+
+
+def solve(weight: torch.Tensor, prep: Prepared, args: QuantizationArgs, block_size: int = 128) -> Result:
+    """The O(rows * d^2) part, for any subset of a matrix's rows (rows are independent given `prep`)."""
+    scale, zero_point = qparams(weight, args)
+    rows, cols = weight.shape
+    perm = prep.perm
+    W = weight.to(torch.float32)[:, perm]
     if args.strategy == QuantizationStrategy.GROUP:
-        g_idx = torch.arange(cols) // args.group_size
-        g_idx = g_idx[perm] if perm is not None else g_idx
+        g_idx = (torch.arange(cols, device=W.device) // args.group_size)[perm]
         col_scale, col_zp = scale[:, g_idx], zero_point[:, g_idx]
     else:
         col_scale, col_zp = scale.expand(rows, cols), zero_point.expand(rows, cols)
     zp_used = None if args.symmetric else col_zp
-
-    dead = torch.diag(H) == 0
-    H.diagonal()[dead] = 1
-    W[:, dead] = 0
-    Hinv, damping = inverse_cholesky(H, dampening_frac)
-    if Hinv is None:
-        damping = None
-        Hinv = torch.eye(cols)
+    W[:, prep.dead] = 0
+    Hinv = prep.hinv
 
     column_args = copy(args)
     column_args.strategy = QuantizationStrategy.CHANNEL
-    loss = torch.zeros(rows)
+    loss = torch.zeros(rows, device=W.device)
     for i1 in range(0, cols, block_size):
         i2 = min(i1 + block_size, cols)
         W1 = W[:, i1:i2].clone()
@@ -116,6 +141,12 @@ def quantize(weight: torch.Tensor, hessian: torch.Tensor, args: QuantizationArgs
         W[:, i1:i2] = W1
         W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
 
-    if perm is not None:
-        W = W[:, torch.argsort(perm)]
-    return Result(W.to(weight.dtype), scale.to(weight.dtype), zero_point, damping, float(loss.sum()))
+    W = W[:, torch.argsort(perm)]
+    return Result(W.to(weight.dtype), scale.to(weight.dtype), zero_point, float(loss.sum()))
+
+
+def quantize(weight: torch.Tensor, hessian: torch.Tensor, args: QuantizationArgs,
+             block_size: int = 128, dampening_frac: float = 0.01) -> tuple[Result, Prepared]:
+    """GPTQ one weight matrix [rows, cols] against its normalized Hessian [cols, cols]."""
+    prep = prepare(hessian, args.actorder, dampening_frac)
+    return solve(weight, prep, args, block_size), prep

@@ -1,6 +1,7 @@
 """The source model, never materialized: a meta skeleton plus tensors read from safetensors on demand."""
 
 import copy
+import functools
 import hashlib
 import json
 import os
@@ -25,6 +26,9 @@ class SourceModel:
     """A Hugging Face model directory: config, meta skeleton, and per-layer weights read lazily."""
 
     def __init__(self, path: str, trust_remote_code: bool = False):
+        """`path`: a model directory, or (for planning only) a config.json on its own."""
+        if os.path.isfile(path) and path.endswith(".json"):
+            path = os.path.dirname(path) or "."
         if not os.path.isdir(path):
             raise UsageError(f"model directory {path} does not exist")
         if not os.path.isfile(os.path.join(path, "config.json")):
@@ -49,13 +53,14 @@ class SourceModel:
         self.decoder = self.skeleton.get_decoder()
         self.layers = self.decoder.layers
         self.layer_prefix = next(n for n, m in self.skeleton.named_modules() if m is self.layers) + "."
-        self.weight_map = self._weight_map()
 
     @property
     def num_layers(self) -> int:
         return len(self.layers)
 
-    def _weight_map(self) -> dict[str, str]:
+    @functools.cached_property
+    def weight_map(self) -> dict[str, str]:
+        """Tensor name -> shard file (read on first use, so a config alone can be planned)."""
         index = os.path.join(self.path, "model.safetensors.index.json")
         if os.path.isfile(index):
             with open(index) as f:

@@ -14,26 +14,15 @@ from compressed_tensors.compressors import PackedQuantizationCompressor
 
 from . import gptq
 from .data import chunk_bounds, partition
+from .dist import World
 from .errors import CorruptStateError, UsageError
 from .job import Job
 from .model import Embedder, SourceModel
+from .plan import Group, input_groups, layer_groups, make_plan
 from .recipe import check_divisible
 from .state import StateStore
 
 log = logging.getLogger("elastic_oneshot")
-
-# Sibling modules that read the same input tensor, and so share one Hessian.
-SHARED_INPUTS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-
-
-def input_groups(names: list[str]) -> list[list[str]]:
-    groups: dict = {}
-    for name in names:
-        parent, _, leaf = name.rpartition(".")
-        key = next(((parent, s) for s in SHARED_INPUTS if leaf in s), name)
-        groups.setdefault(key, []).append(name)
-    return list(groups.values())
-
 
 class _Stop(Exception):
     """Raised by the last hooked module: the calibration pass needs no layer output."""
@@ -42,10 +31,10 @@ class _Stop(Exception):
 class Calibration:
     """Hooks that accumulate one Hessian per input group while the layer runs on calibration chunks."""
 
-    def __init__(self, layer: torch.nn.Module, groups: list[list[str]]):
+    def __init__(self, layer: torch.nn.Module, groups: list[list[str]], device):
         modules = dict(layer.named_modules())
         self.hessian = {g[0]: torch.zeros(modules[g[0]].in_features, modules[g[0]].in_features,
-                                          dtype=torch.float64) for g in groups}
+                                          dtype=torch.float64, device=device) for g in groups}
         self.sequences = {g[0]: 0 for g in groups}
         self.seconds = 0.0
         self.order: list[str] = []
@@ -80,10 +69,6 @@ class Calibration:
         if self.last is None:
             self.last = self.order[-1]
 
-    def normalized(self, leader: str) -> torch.Tensor:
-        """The peer's Hessian: 2/n * sum x x^T over n sequences."""
-        return (self.hessian[leader] / self.sequences[leader]).to(torch.float32)
-
     def remove(self):
         for h in self._handles:
             h.remove()
@@ -93,14 +78,32 @@ def _output(y):
     return y[0] if isinstance(y, tuple) else y
 
 
+def _to(obj, device):
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_to(o, device) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _to(v, device) for k, v in obj.items()}
+    return obj
+
+
+def _wait(works):
+    for w in works:
+        if w is not None:
+            w.wait()
+
+
 class Runner:
     def __init__(self, job: Job, state: StateStore, source: SourceModel, tokens: torch.Tensor,
-                 rank: int = 0, world_size: int = 1, epoch: int = 1):
+                 world: World | None = None, epoch: int = 1):
         self.job, self.state, self.source, self.tokens = job, state, source, tokens
-        self.rank, self.world_size, self.epoch = rank, world_size, epoch
+        self.world = world or World()
+        self.rank, self.device, self.epoch = self.world.rank, self.world.device, epoch
         self.scheme = job.recipe.quant_scheme
         self.chunks = chunk_bounds(job.num_samples, job.chunk_size)
-        self.mine = list(partition(len(self.chunks), world_size, rank))
+        self.mine = list(partition(len(self.chunks), self.world.size, self.rank))
+        self._kwargs: dict = {}
         self.embedder = Embedder(source)
         quantized = job.recipe.quantized_modules(source.skeleton)
         check_divisible(job.recipe, source.linear_shapes(quantized))
@@ -134,7 +137,7 @@ class Runner:
         return todo
 
     def run(self):
-        todo = self.todo()
+        todo = self.world.broadcast_object(self.todo() if self.rank == 0 else None)
         done = self.source.num_layers - len(todo)
         if done:
             log.info("resuming: %d of %d layers committed; next is layer %d", done,
@@ -145,7 +148,10 @@ class Runner:
 
     # -- inputs -------------------------------------------------------------------------------------
     def kwargs(self, layer: int, batch: int) -> dict:
-        return self.embedder.layer_kwargs(layer, batch, self.job.seq_len)
+        if (layer, batch) not in self._kwargs:
+            self._kwargs[(layer, batch)] = _to(self.embedder.layer_kwargs(layer, batch, self.job.seq_len),
+                                               self.device)
+        return self._kwargs[(layer, batch)]
 
     @torch.inference_mode()  # also when called from the read-ahead thread
     def inputs(self, layer: int, chunk: int) -> torch.Tensor:
@@ -153,10 +159,10 @@ class Runner:
         earlier boundary when the file is missing or fails its checksum."""
         if layer == 0:
             start, end = self.chunks[chunk]
-            return self.embedder(self.tokens[start:end])
+            return self.embedder(self.tokens[start:end]).to(self.device)
         record = self.state.manifest(layer - 1)["boundary"][str(chunk)]
         try:
-            return self.state.read_tensors(record)["hidden_states"]
+            return self.state.read_tensors(record)["hidden_states"].to(self.device)
         except CorruptStateError as e:
             log.warning("boundary %d chunk %d: %s; recomputing it from committed layers", layer, chunk, e)
             return self.replay(layer, chunk, record)
@@ -169,11 +175,12 @@ class Runner:
                 break
             except (CorruptStateError, KeyError, TypeError):
                 start -= 1
+            x = x.to(self.device)
         if start == 0:
             x = self.inputs(0, chunk)
         for index in range(start, layer):
             x = _output(self.quantized_layer(index)(x, **self.kwargs(index, x.shape[0])))
-        rewritten = self.state.write_tensors(record["path"], {"hidden_states": x})
+        rewritten = self.state.write_tensors(record["path"], {"hidden_states": x.cpu()})
         if rewritten["sha256"] != record["sha256"]:
             raise RuntimeError(f"recomputing {record['path']} from layers {start}..{layer - 1} did not "
                                "reproduce the committed file: the computation is not deterministic here")
@@ -201,35 +208,79 @@ class Runner:
             modules[name].weight = torch.nn.Parameter(weight.to(modules[name].weight.dtype), requires_grad=False)
 
     def quantized_layer(self, layer: int):
-        module = self.source.load_layer(layer)
+        module = self.source.load_layer(layer).to(self.device)
         tensors = {}
         for record in self.state.manifest(layer)["weights"]:
-            tensors.update(self.state.read_tensors(record))
+            tensors.update(_to(self.state.read_tensors(record), self.device))
         self.apply_quantized(module, layer, tensors)
         return module
 
-    def solve(self, layer_module, layer: int, calib: Calibration) -> tuple[dict, dict]:
-        """GPTQ every input group of the layer; return the compressed tensors and per-module notes."""
+    def solve(self, layer_module, layer: int, calib: Calibration) -> tuple[dict, dict, dict]:
+        """GPTQ the layer's input groups across ranks by the plan: Hessians are reduced to the rank that
+        prepares each group's inverse, row slices of split groups receive it from there, and every
+        result is broadcast as soon as it is solved, so all ranks end with every quantized weight.
+        Returns all compressed tensors, those this rank writes (its prepared groups'), and its notes."""
         modules = dict(layer_module.named_modules())
-        tensors, notes = {}, {}
-        for group in input_groups(self.layer_modules[layer]):
-            weight = torch.cat([modules[n].weight for n in group])
-            r = gptq.quantize(weight, calib.normalized(group[0]), self.scheme.weights,
-                              self.job.recipe.block_size, self.job.recipe.dampening_frac)
-            self._report(layer, group, r)
+        groups = layer_groups(layer_module, self.layer_modules[layer])
+        plan = make_plan(groups, self.world.size)
+        owners = plan.owners()
+        me, args = self.rank, self.scheme.weights
+        _wait([self.world.reduce_to(calib.hessian[g.name], owners[g.name]) for g in groups])
+
+        prepared, transfers, notes = {}, [], {}
+        for g in groups:
+            if owners[g.name] == me:
+                h = (calib.hessian[g.name] / self.job.num_samples).to(torch.float32)
+                p = prepared[g.name] = gptq.prepare(h, args.actorder, self.job.recipe.dampening_frac)
+                self._report(layer, g, p)
+                notes.update({name: {"damping": p.damping} for name, _ in g.modules})
+                for w in plan.work:
+                    if w.group == g and w.rank != me:
+                        transfers += [self.world.send(t, w.rank) for t in p.pack()]
+        received = {}
+        for w in plan.work:
+            if w.rank == me and w.prep_rank != me and w.group.name not in received:
+                d = w.group.cols
+                bufs = (torch.empty(d, d, device=self.device), torch.empty(2 * d + 1, dtype=torch.float64,
+                                                                            device=self.device))
+                transfers += [self.world.recv(t, w.prep_rank) for t in bufs]
+                received[w.group.name] = bufs
+        _wait(transfers)
+        prepared.update({name: gptq.Prepared.unpack(*bufs) for name, bufs in received.items()})
+
+        results, pending = {}, []
+        for w in plan.work:
+            g, rows = w.group, w.end - w.start
+            weight = torch.cat([modules[n].weight for n, _ in g.modules])[w.start:w.end]
+            if w.rank == me:
+                r = gptq.solve(weight, prepared[g.name], args, self.job.recipe.block_size)
+                bufs = (r.weight.contiguous(), r.scale.contiguous(), r.zero_point.contiguous())
+            else:
+                groups_n = g.cols // args.group_size if args.group_size else 1
+                bufs = (torch.empty_like(weight), torch.empty(rows, groups_n, dtype=weight.dtype, device=self.device),
+                        torch.empty(rows, groups_n, dtype=args.zp_dtype, device=self.device))
+            pending += [self.world.broadcast(t, w.rank) for t in bufs]
+            results[(g.name, w.start)] = bufs
+        _wait(pending)
+
+        tensors, written = {}, {}
+        for g in groups:
+            slices = [results[(g.name, w.start)] for w in sorted(plan.work, key=lambda w: w.start) if w.group == g]
+            weight, scale, zp = (torch.cat(parts) for parts in zip(*slices))
             row = 0
-            for name in group:
-                rows = modules[name].out_features
-                part = {"weight": r.weight[row:row + rows], "weight_scale": r.scale[row:row + rows],
-                        "weight_zero_point": r.zero_point[row:row + rows]}
+            for name, rows in g.modules:
+                part = {"weight": weight[row:row + rows], "weight_scale": scale[row:row + rows],
+                        "weight_zero_point": zp[row:row + rows]}
                 row += rows
                 compressed = PackedQuantizationCompressor.compress(part, self.scheme)
-                tensors.update({f"{self.prefix(layer)}{name}.{k}": v for k, v in compressed.items()})
-                notes[name] = {"damping": r.damping, "loss": r.loss}
-        return tensors, notes
+                compressed = {f"{self.prefix(layer)}{name}.{k}": v for k, v in compressed.items()}
+                tensors.update(compressed)
+                if owners[g.name] == me:
+                    written.update(compressed)
+        return tensors, written, notes
 
-    def _report(self, layer, group, r: gptq.Result):
-        names = "+".join(n.rsplit(".", 1)[-1] for n in group)
+    def _report(self, layer, group: Group, r: gptq.Prepared):
+        names = "+".join(n.rsplit(".", 1)[-1] for n, _ in group.modules)
         if r.damping is None:
             log.error("!!! layer %d %s: Hessian not positive definite even with damping %.3g: quantized "
                       "with ROUND-TO-NEAREST, not GPTQ", layer, names,
@@ -242,9 +293,8 @@ class Runner:
     def process(self, layer: int):
         t0 = time.perf_counter()
         seconds = {}
-        module = self.source.load_layer(layer)
-        groups = input_groups(self.layer_modules[layer])
-        calib = Calibration(module, groups)
+        module = self.source.load_layer(layer).to(self.device)
+        calib = Calibration(module, input_groups(self.layer_modules[layer]), self.device)
         t = time.perf_counter()
         seconds["load"] = t - t0
         for chunk, x in self.each_input(layer):
@@ -254,32 +304,41 @@ class Runner:
         seconds["calibrate"] = time.perf_counter() - t - calib.seconds
 
         t = time.perf_counter()
-        tensors, notes = self.solve(module, layer, calib)
+        tensors, written, notes = self.solve(module, layer, calib)
         del calib
         seconds["gptq"] = time.perf_counter() - t
 
         t = time.perf_counter()
         writes = [self.io.submit(self.state.write_tensors,
                                  f"{StateStore.layer_dir('layers', layer)}/weights.r{self.rank}.safetensors",
-                                 tensors)]
+                                 {k: v.cpu() for k, v in written.items()})] if written else []
         self.apply_quantized(module, layer, tensors)
         boundary = {}
-        last = layer == self.source.num_layers - 1
-        if not last:
+        if layer < self.source.num_layers - 1:
             for chunk, x in self.each_input(layer):
-                y = _output(module(x, **self.kwargs(layer, x.shape[0])))
+                y = _output(module(x, **self.kwargs(layer, x.shape[0]))).cpu()
                 rel = f"{StateStore.layer_dir('boundaries', layer + 1)}/chunk-{chunk:05d}.safetensors"
                 boundary[chunk] = self.io.submit(self.state.write_tensors, rel, {"hidden_states": y})
         seconds["propagate"] = time.perf_counter() - t
 
         t = time.perf_counter()
-        weights = [w.result() for w in writes]
-        boundary = {str(c): {**f.result(), "samples": list(self.chunks[c])} for c, f in boundary.items()}
-        self.state.commit(layer, {
-            "layer": layer, "epoch": self.epoch, "world_size": self.world_size, "weights": weights,
-            "boundary": boundary, "modules": notes, "seconds": seconds,
-        })
-        self.state.prune_boundaries(keep=set(range(layer, self.source.num_layers + 1)))
+        mine = {"weights": [w.result() for w in writes], "notes": notes,
+                "boundary": {str(c): {**f.result(), "samples": list(self.chunks[c])} for c, f in boundary.items()}}
+        everyone = self.world.gather_objects(mine)
+        if self.rank == 0:
+            self.state.commit(layer, {
+                "layer": layer, "epoch": self.epoch, "world_size": self.world.size,
+                "weights": [w for m in everyone for w in m["weights"]],
+                "boundary": {c: r for m in everyone for c, r in sorted(m["boundary"].items())},
+                "modules": {n: v for m in everyone for n, v in sorted(m["notes"].items())},
+                "seconds": seconds,
+            })
+        self.world.barrier()
+        if self.rank == 0:
+            self.state.prune_boundaries(keep=set(range(layer, self.source.num_layers + 1)))
         seconds["commit"] = time.perf_counter() - t
+        if self.rank == 0:
+            self.state.append_event({"event": "commit", "layer": layer, "time": time.time(), "epoch": self.epoch,
+                                     "world_size": self.world.size, "seconds": seconds})
         log.info("layer %d/%d committed in %.1f s (%s)", layer + 1, self.source.num_layers,
                  time.perf_counter() - t0, ", ".join(f"{k} {v:.2f}" for k, v in seconds.items()))

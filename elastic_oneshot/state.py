@@ -2,10 +2,12 @@
 
 Layout (docs/state-format.md is the specification):
     job.json                          what is being compressed, and its fingerprint
+    epoch.json                        the job's epoch: incremented at every (re)start of the workers
     tokens.safetensors                the calibration samples, [num_samples, seq_len] int64
     layers/LLLLL/weights.rR.safetensors   layer L's compressed tensors written by rank R
     boundaries/LLLLL/chunk-CCCCC.safetensors  the inputs of layer L for sample chunk C
     commits/LLLLL.json                layer L's manifest: written last, by atomic rename; it is the commit
+    events.jsonl                      history for people and `status` (never trusted for progress)
 
 Every file is written to a temporary name, fsynced, renamed, and its directory fsynced. Files are
 listed with size and sha256 in the record that refers to them, and verified when read: a torn or
@@ -130,6 +132,25 @@ class StateStore:
         self.write_json("job.json", job)
         return False
 
+    def next_epoch(self) -> int:
+        """Start a new epoch of workers: every (re)start of the job increments it, and commits carry it."""
+        try:
+            current = self.read_json("epoch.json") or {"epoch": 0}
+        except CorruptStateError:
+            current = {"epoch": max((self.manifest_epochs() or [0]))}
+        epoch = current["epoch"] + 1
+        self.write_json("epoch.json", {"epoch": epoch})
+        return epoch
+
+    def manifest_epochs(self) -> list[int]:
+        out = []
+        for name in sorted(os.listdir(self.path("commits"))) if os.path.isdir(self.path("commits")) else []:
+            try:
+                out.append(self.read_json(f"commits/{name}")["epoch"])
+            except (CorruptStateError, TypeError, KeyError):
+                pass
+        return out
+
     def job(self) -> dict:
         job = self.read_json("job.json")
         if job is None:
@@ -137,13 +158,33 @@ class StateStore:
         return job
 
     def clear(self):
-        for name in ("commits", "layers", "boundaries", "job.json", "tokens.safetensors", "events.jsonl"):
+        for name in ("commits", "layers", "boundaries", "job.json", "epoch.json", "tokens.safetensors",
+                     "events.jsonl"):
             p = self.path(name)
             if os.path.isdir(p):
                 shutil.rmtree(p)
             elif os.path.exists(p):
                 os.remove(p)
         os.makedirs(self.root, exist_ok=True)
+
+    def append_event(self, event: dict):
+        """One line of events.jsonl: a human and tool readable history, not part of any commit."""
+        with open(self.path("events.jsonl"), "a") as f:
+            f.write(json.dumps(event, sort_keys=True) + "\n")
+
+    def events(self) -> list[dict]:
+        try:
+            with open(self.path("events.jsonl")) as f:
+                lines = f.read().splitlines()
+        except FileNotFoundError:
+            return []
+        out = []
+        for line in lines:
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass  # a line torn by a kill
+        return out
 
     # -- layers ------------------------------------------------------------------------------
     @staticmethod

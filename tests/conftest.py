@@ -32,3 +32,17 @@ def tree_digest(root) -> dict[str, str]:
             with open(p, "rb") as fh:
                 out[os.path.relpath(p, root)] = hashlib.sha256(fh.read()).hexdigest()
     return out
+
+
+def torchrun_cmd(nproc: int, *args, max_restarts: int = 0, extra=()) -> list[str]:
+    """A single-node torchrun of `elastic-oneshot ARGS` (python -m torch.distributed.run is torchrun)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            f"--max-restarts={max_restarts}", "--monitor-interval=0.2", *extra, "-m", "elastic_oneshot",
+            *map(str, args)]
+
+
+def one_thread_env() -> dict:
+    """Results are bitwise reproducible at a fixed thread count per rank (BLAS reductions depend on it).
+    Without TORCH_DISABLE_SHARE_RDZV_TCP_STORE, torch 2.13's restarted workers can read the previous
+    round's gloo addresses from the agent's reused store and fail to connect."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}

@@ -35,9 +35,9 @@ def test_matches_llmcompressor(symmetric, actorder, group_size):
     args = QuantizationArgs(num_bits=4, symmetric=symmetric, strategy="group" if group_size else "channel",
                             group_size=group_size, actorder=actorder, observer="memoryless_minmax")
     w, h = problem()
-    ours = gptq.quantize(w, h, args, block_size=128, dampening_frac=0.01)
+    ours, prep = gptq.quantize(w, h, args, block_size=128, dampening_frac=0.01)
     q, scale, zp, fallback = peer(w, h, args)
-    assert not fallback and ours.damping == 0.01
+    assert not fallback and prep.damping == 0.01
     assert torch.equal(ours.scale, scale) and torch.equal(ours.zero_point, zp)
     same = (ours.weight == q).float().mean().item()
     print(f"identical weights {same:.4%}")
@@ -49,19 +49,22 @@ def test_shared_hessian_rows_stack():
     """Modules sharing a Hessian give the same result solved together as solved apart."""
     args = QuantizationArgs(num_bits=4, group_size=64, actorder="static", observer="memoryless_minmax")
     w, h = problem(rows=64)
-    together = gptq.quantize(w, h, args).weight
-    apart = torch.cat([gptq.quantize(w[:40], h, args).weight, gptq.quantize(w[40:], h, args).weight])
-    assert (together == apart).float().mean() > 0.999
+    together, prep = gptq.quantize(w, h, args)
+    apart = torch.cat([gptq.quantize(w[:40], h, args)[0].weight, gptq.quantize(w[40:], h, args)[0].weight])
+    assert (together.weight == apart).float().mean() > 0.999
+    shared = gptq.Prepared.unpack(*prep.pack())  # as a slice owner receives it
+    sliced = torch.cat([gptq.solve(w[:32], shared, args).weight, gptq.solve(w[32:], shared, args).weight])
+    assert (together.weight == sliced).float().mean() > 0.999
 
 
 def test_indefinite_hessian_retries_damping_then_falls_back():
     args = QuantizationArgs(num_bits=4, group_size=64, observer="memoryless_minmax")
     w, h = problem(dead=())
     h -= torch.eye(h.shape[0]) * torch.diag(h).mean() * 0.05  # indefinite at damping 0.01
-    r = gptq.quantize(w, h, args, dampening_frac=0.01)
-    assert r.damping is not None and r.damping > 0.01
+    _, prep = gptq.quantize(w, h, args, dampening_frac=0.01)
+    assert prep.damping is not None and prep.damping > 0.01
     h_bad = -torch.eye(h.shape[0]) + torch.diag(torch.full((h.shape[0],), 0.5))
-    r = gptq.quantize(w, h_bad, args)
-    assert r.damping is None  # round-to-nearest, reported by the caller
-    rtn = gptq.quantize(w, torch.eye(h.shape[0]), args).weight
+    r, prep = gptq.quantize(w, h_bad, args)
+    assert prep.damping is None  # round-to-nearest, reported by the caller
+    rtn = gptq.quantize(w, torch.eye(h.shape[0]), args)[0].weight
     assert torch.equal(r.weight, rtn)

@@ -1,0 +1,87 @@
+"""The distributed plumbing: process group from torchrun's environment, and the few collectives we use.
+
+Without torchrun (no WORLD_SIZE), everything degenerates to one process and no collective is issued.
+"""
+
+import datetime
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+
+from .errors import UsageError
+
+log = logging.getLogger("elastic_oneshot")
+
+
+class World:
+    def __init__(self, timeout_s: float = 120.0):
+        self.size = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.device = torch.device("cpu")
+        if torch.cuda.is_available():
+            self.device = torch.device("cuda", self.local_rank)
+            torch.cuda.set_device(self.device)
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            log.warning("torchrun shares its rendezvous store with the workers: restarted workers may fail "
+                        "to connect (torch 2.13); launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (see launch/)")
+        if self.size > 1 and not dist.is_initialized():
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo",
+                                    timeout=datetime.timedelta(seconds=timeout_s), device_id=(
+                                        self.device if self.device.type == "cuda" else None))
+
+    @property
+    def distributed(self) -> bool:
+        return self.size > 1
+
+    def barrier(self):
+        if self.distributed:
+            dist.barrier()
+
+    def gather_objects(self, obj) -> list:
+        """Every rank's `obj` on every rank (small JSON-like values only)."""
+        if not self.distributed:
+            return [obj]
+        out = [None] * self.size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def agree(self, what: str, value):
+        """Fail fast, on every rank, if ranks disagree on `value` (e.g. the job's fingerprint)."""
+        values = self.gather_objects(value)
+        if any(v != values[0] for v in values):
+            bad = [r for r, v in enumerate(values) if v != values[0]]
+            raise UsageError(f"ranks disagree on {what}: rank 0 has {values[0]!r}, ranks {bad} differ; "
+                             "start every rank with the same arguments")
+
+    def broadcast_object(self, obj, src: int = 0):
+        if not self.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    def reduce_to(self, tensor: torch.Tensor, dst: int):
+        """Async sum of `tensor` onto rank `dst`."""
+        return dist.reduce(self._dev(tensor), dst=dst, op=dist.ReduceOp.SUM, async_op=True) \
+            if self.distributed else None
+
+    def broadcast(self, tensor: torch.Tensor, src: int):
+        return dist.broadcast(self._dev(tensor), src=src, async_op=True) if self.distributed else None
+
+    def send(self, tensor: torch.Tensor, dst: int):
+        return dist.isend(self._dev(tensor), dst=dst)
+
+    def recv(self, tensor: torch.Tensor, src: int):
+        return dist.irecv(self._dev(tensor), src=src)
+
+    def _dev(self, tensor):
+        if self.device.type == "cuda" and tensor.device != self.device:
+            raise ValueError("collective tensors must live on the rank's device")
+        return tensor
+
+    def close(self):
+        if self.distributed and dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,1 @@
+"""Rendezvous backends for torchrun. `etcd_v3` registers `--rdzv-backend=etcd3` (entry point in pyproject.toml)."""

@@ -1,0 +1,128 @@
+"""Data-parallel calibration and weight-parallel GPTQ under real torchrun with gloo on CPU."""
+
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from conftest import one_thread_env, run_cli, torchrun_cmd, tree_digest
+from elastic_oneshot.evaluate import perplexity
+from test_spine import int_codes
+from tiny import make_model
+
+JOB = ["--num-samples", 32, "--seq-len", 128, "--group-size", 64, "--chunk-size", 4]
+
+
+def run_world(world: int, model, out, job=JOB, **kw):
+    args = ["run", "--model", model, "--output", out, *job]
+    if world == 1:
+        return run_cli(*args, env=one_thread_env())
+    proc = subprocess.run(torchrun_cmd(world, *args, **kw), capture_output=True, text=True, env=one_thread_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def same_codes(a, b) -> float:
+    ca, _ = int_codes(a)
+    cb, _ = int_codes(b)
+    assert ca.keys() == cb.keys()
+    return sum((ca[k] == cb[k]).sum().item() for k in ca) / sum(v.numel() for v in ca.values())
+
+
+@pytest.fixture(scope="module")
+def w1(tiny_llama, tmp_path_factory):
+    out = tmp_path_factory.mktemp("w1") / "out"
+    run_world(1, tiny_llama, out)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_world_sizes_agree_with_one_rank(world, tiny_llama, w1, tmp_path):
+    out = tmp_path / "out"
+    run_world(world, tiny_llama, out)
+    same = same_codes(w1, out)
+    ppl1, pplw = perplexity(str(w1), num_samples=4, seq_len=128), perplexity(str(out), num_samples=4, seq_len=128)
+    print(f"\nW={world} vs W=1: {same:.4%} of int codes identical; perplexity {pplw:.4f} vs {ppl1:.4f}")
+    assert same >= 0.999
+    assert abs(pplw / ppl1 - 1) <= 0.001
+    if world == 2:
+        again = tmp_path / "again"
+        run_world(world, tiny_llama, again)
+        assert tree_digest(again) == tree_digest(out), "two runs at the same world size differ"
+
+
+def test_more_ranks_than_chunks(tiny_llama, tmp_path):
+    job = ["--num-samples", 8, "--seq-len", 128, "--group-size", 64, "--chunk-size", 4]  # 2 chunks
+    run_world(1, tiny_llama, tmp_path / "w1", job)
+    run_world(3, tiny_llama, tmp_path / "w3", job)
+    same = same_codes(tmp_path / "w1", tmp_path / "w3")
+    print(f"\nW=3 with 2 chunks vs W=1: {same:.4%} of int codes identical")
+    assert same >= 0.999
+
+
+@pytest.fixture(scope="module")
+def deep_llama(tmp_path_factory):
+    return make_model(str(tmp_path_factory.mktemp("models") / "llama8"), "llama", num_hidden_layers=8)
+
+
+def workers(launcher: subprocess.Popen) -> dict[int, psutil.Process]:
+    found = {}
+    for child in psutil.Process(launcher.pid).children(recursive=True):
+        try:
+            rank = child.environ().get("RANK")
+        except psutil.Error:
+            continue
+        if rank is not None and "elastic_oneshot" in " ".join(child.cmdline()):
+            found[int(rank)] = child
+    return found
+
+
+def test_killed_worker_restarts_and_output_is_identical(deep_llama, tmp_path):
+    job = ["--num-samples", 48, "--seq-len", 256, "--group-size", 64, "--chunk-size", 8]
+    run_world(2, deep_llama, tmp_path / "ref", job)
+    out, state = tmp_path / "out", tmp_path / "state"
+    cmd = torchrun_cmd(2, "run", "--model", deep_llama, "--output", out, "--state", state, *job, max_restarts=3)
+    log = open(tmp_path / "run.log", "w")
+    launcher = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=one_thread_env())
+    commits = state / "commits"
+    while not (commits.is_dir() and len(os.listdir(commits)) >= 2):
+        assert launcher.poll() is None, open(tmp_path / "run.log").read()[-3000:]
+        time.sleep(0.05)
+    time.sleep(random.Random(7).uniform(0, 0.4))  # mid-layer
+    victim = workers(launcher)[1]
+    victim.send_signal(signal.SIGKILL)
+    assert launcher.wait(timeout=180) == 0, open(tmp_path / "run.log").read()[-3000:]
+    text = open(tmp_path / "run.log").read()
+    assert "resuming" in text
+    assert tree_digest(out) == tree_digest(tmp_path / "ref")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_ranks_with_different_arguments_fail_fast(tiny_llama, tmp_path):
+    port = free_port()
+    procs = []
+    for node, seed in enumerate((0, 1)):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=mismatch",
+               "--max-restarts=0", "-m", "elastic_oneshot", "run", "--model", tiny_llama, "--output",
+               tmp_path / f"out{node}", "--seed", seed, *JOB]
+        procs.append(subprocess.Popen(list(map(str, cmd)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True, env=one_thread_env()))
+    t = time.monotonic()
+    outputs = [p.communicate(timeout=120)[0] for p in procs]
+    elapsed = time.monotonic() - t
+    print(f"\nmismatched ranks stopped after {elapsed:.1f} s")
+    assert all(p.returncode != 0 for p in procs)
+    assert any("ranks disagree on the job" in o for o in outputs), outputs[0][-2000:]
+    assert elapsed < 60
