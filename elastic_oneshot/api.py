@@ -54,14 +54,14 @@ def oneshot(model: str | None = None, dataset: str = "builtin", scheme: str = "W
     record = job_record(job, source.digest(), tokens, source.num_layers)
     world.agree("the job (model, dataset, recipe and sampling arguments)", record["fingerprint"])
     runner = Runner(job, state, source, tokens, world)  # validates the recipe against the model first
-    outcome = world.broadcast_object(_claim(state, record, tokens, restart) if world.rank == 0 else None)
-    if "error" in outcome:
-        raise UsageError(outcome["error"])
-    runner.epoch = outcome["epoch"]
+    error = world.broadcast_object(_claim(state, record, tokens, restart) if world.rank == 0 else None)
+    if error:
+        raise UsageError(error)
 
     if eval_samples and world.rank == 0:
         before = perplexity(job.model, dataset, eval_samples, job.seq_len, text_column)
     runner.run()
+    world.close()
     if world.rank != 0:
         return output_dir
 
@@ -74,16 +74,16 @@ def oneshot(model: str | None = None, dataset: str = "builtin", scheme: str = "W
     return output_dir
 
 
-def _claim(state: StateStore, record: dict, tokens, restart: bool) -> dict:
-    """Rank 0 takes the state directory and starts a new epoch; errors travel to every rank as text."""
+def _claim(state: StateStore, record: dict, tokens, restart: bool) -> str | None:
+    """Rank 0 takes the state directory; an error travels to every rank as text."""
     try:
         if state.claim(record, restart=restart):
             log.info("state %s belongs to this job: resuming", state.root)
         else:
             state.write_tensors("tokens.safetensors", {"input_ids": tokens})
-        return {"epoch": state.next_epoch()}
     except UsageError as e:
-        return {"error": str(e)}
+        return str(e)
+    return None
 
 
 def plan(model: str, world_size: int, recipe: Recipe = Recipe(), layers: int | None = None) -> list[str]:

@@ -5,7 +5,7 @@ import logging
 import os
 import sys
 
-from .errors import UsageError
+from .errors import StaleEpochError, UsageError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -60,6 +60,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    from . import signals
+
+    signals.install()  # before any other thread starts
     args = _parser().parse_args(argv)
     quiet = os.environ.get("RANK", "0") != "0"  # under torchrun only rank 0 reports progress
     logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
@@ -95,4 +98,10 @@ def main(argv=None) -> int:
     except UsageError as e:
         print(f"elastic-oneshot: error: {e}", file=sys.stderr)
         return 2
+    except signals.Preempted as e:
+        logging.getLogger("elastic_oneshot").warning("%s; nothing partial was committed: run again to resume", e)
+        return signals.EXIT_CODE
+    except StaleEpochError as e:
+        logging.getLogger("elastic_oneshot").error("fenced off: %s", e)
+        return 3
     return 0

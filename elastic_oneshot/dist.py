@@ -6,6 +6,8 @@ Without torchrun (no WORLD_SIZE), everything degenerates to one process and no c
 import datetime
 import logging
 import os
+import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -31,6 +33,32 @@ class World:
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo",
                                     timeout=datetime.timedelta(seconds=timeout_s), device_id=(
                                         self.device if self.device.type == "cuda" else None))
+            self._stop = threading.Event()
+            threading.Thread(target=self._liveness, args=(timeout_s,), name="liveness", daemon=True).start()
+
+    def _liveness(self, bound_s: float):
+        """Heartbeats through the process group's store. A rank that sees a peer silent for `bound_s`
+        (frozen, or cut off), or cannot reach the store, leaves: its agent restarts the workers and the
+        new rendezvous goes on without the silent node. Commits are atomic, so leaving is always safe."""
+        store = dist.distributed_c10d._get_default_store()
+        interval = max(0.5, bound_s / 10)
+        seen = {r: (-1, time.monotonic()) for r in range(self.size) if r != self.rank}
+        try:
+            while not self._stop.is_set():
+                store.add(f"elastic_oneshot/alive/{self.rank}", 1)
+                now = time.monotonic()
+                for peer, (count, since) in seen.items():
+                    current = store.add(f"elastic_oneshot/alive/{peer}", 0)
+                    if current != count:
+                        seen[peer] = (current, now)
+                    elif now - since > bound_s:
+                        raise TimeoutError(f"rank {peer} silent for {now - since:.0f} s")
+                self._stop.wait(interval)
+        except Exception as e:  # the store itself may be the silent peer's
+            if self._stop.is_set():
+                return
+            log.error("liveness: %s; leaving so that the job can go on without it", e)
+            os._exit(1)
 
     @property
     def distributed(self) -> bool:
@@ -83,5 +111,8 @@ class World:
         return tensor
 
     def close(self):
+        """Leave together: nobody is mistaken for a silent peer while the others finish."""
         if self.distributed and dist.is_initialized():
+            dist.barrier()
+            self._stop.set()
             dist.destroy_process_group()

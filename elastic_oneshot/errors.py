@@ -7,3 +7,7 @@ class UsageError(Exception):
 
 class CorruptStateError(UsageError):
     """A state file does not match its recorded checksum or cannot be parsed."""
+
+
+class StaleEpochError(Exception):
+    """A newer epoch of workers has begun: this worker must not commit anything and should exit."""

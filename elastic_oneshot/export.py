@@ -25,14 +25,15 @@ def export(state: StateStore, output: str, source: SourceModel | None = None) ->
         raise UsageError(f"model {job.model} has changed since the state was created")
 
     quantized: dict = {}
+    committed = state.committed()
     for layer in range(record["num_layers"]):
-        try:
-            manifest = state.verify_layer(layer)
-        except CorruptStateError as e:
-            raise UsageError(f"layer {layer} failed verification ({e}): rerun `elastic-oneshot run`") from None
-        if manifest is None:
+        if layer not in committed:
             raise UsageError(f"layer {layer} of {record['num_layers']} is not committed: "
                              "finish the job with `elastic-oneshot run` first")
+        try:
+            manifest = state.verify(layer, committed[layer])
+        except CorruptStateError as e:
+            raise UsageError(f"layer {layer} failed verification ({e}): rerun `elastic-oneshot run`") from None
         for w in manifest["weights"]:
             quantized.update(state.read_tensors(w))
     replaced = {k.rsplit(".", 1)[0] + ".weight" for k in quantized}

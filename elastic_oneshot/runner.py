@@ -6,16 +6,17 @@ propagation pass with the quantized weights writes the next boundary, and a mani
 """
 
 import logging
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from compressed_tensors.compressors import PackedQuantizationCompressor
 
-from . import gptq
+from . import gptq, signals
 from .data import chunk_bounds, partition
 from .dist import World
-from .errors import CorruptStateError, UsageError
+from .errors import CorruptStateError, StaleEpochError, UsageError
 from .job import Job
 from .model import Embedder, SourceModel
 from .plan import Group, input_groups, layer_groups, make_plan
@@ -96,10 +97,11 @@ def _wait(works):
 
 class Runner:
     def __init__(self, job: Job, state: StateStore, source: SourceModel, tokens: torch.Tensor,
-                 world: World | None = None, epoch: int = 1):
+                 world: World | None = None):
         self.job, self.state, self.source, self.tokens = job, state, source, tokens
         self.world = world or World()
-        self.rank, self.device, self.epoch = self.world.rank, self.world.device, epoch
+        self.rank, self.device = self.world.rank, self.world.device
+        self.epoch, self.committed = 0, {}  # set by run(): this epoch, and layer -> epoch of its commit
         self.scheme = job.recipe.quant_scheme
         self.chunks = chunk_bounds(job.num_samples, job.chunk_size)
         self.mine = list(partition(len(self.chunks), self.world.size, self.rank))
@@ -124,27 +126,39 @@ class Runner:
         return f"{self.source.layer_prefix}{layer}."
 
     # -- the loop ------------------------------------------------------------------------------------
-    def todo(self) -> list[int]:
-        """Layers to (re)do: uncommitted ones, and committed ones whose files fail verification."""
-        todo = []
-        for layer in range(self.source.num_layers):
+    def start_epoch(self) -> dict:
+        """Rank 0: verify what is committed, then fence a new epoch on exactly that."""
+        valid = {}
+        for layer, epoch in sorted(self.state.committed().items()):
             try:
-                if self.state.verify_layer(layer) is not None:
-                    continue
+                self.state.verify(layer, epoch)
+                valid[layer] = epoch
             except CorruptStateError as e:
                 log.warning("layer %d will be redone: %s", layer, e)
-            todo.append(layer)
-        return todo
+        try:
+            return {"epoch": self.state.begin_epoch(valid), "committed": valid}
+        except StaleEpochError as e:
+            return {"error": str(e)}
 
     def run(self):
-        todo = self.world.broadcast_object(self.todo() if self.rank == 0 else None)
-        done = self.source.num_layers - len(todo)
-        if done:
-            log.info("resuming: %d of %d layers committed; next is layer %d", done,
-                     self.source.num_layers, todo[0] if todo else self.source.num_layers)
+        start = self.world.broadcast_object(self.start_epoch() if self.rank == 0 else None)
+        if "error" in start:
+            raise StaleEpochError(start["error"])
+        self.epoch, self.committed = start["epoch"], start["committed"]
+        todo = [layer for layer in range(self.source.num_layers) if layer not in self.committed]
+        if self.rank == 0:
+            self.state.append_event({"event": "start", "time": time.time(), "epoch": self.epoch,
+                                     "world_size": self.world.size, "committed": len(self.committed),
+                                     "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))})
+            log.info("epoch %d, world size %d: %d of %d layers committed; next is layer %s", self.epoch,
+                     self.world.size, len(self.committed), self.source.num_layers, todo[0] if todo else "none")
         with torch.inference_mode():
             for layer in todo:
+                signals.check(f"before layer {layer}")
                 self.process(layer)
+
+    def manifest(self, layer: int) -> dict:
+        return self.state.manifest(layer, self.committed[layer])
 
     # -- inputs -------------------------------------------------------------------------------------
     def kwargs(self, layer: int, batch: int) -> dict:
@@ -160,7 +174,7 @@ class Runner:
         if layer == 0:
             start, end = self.chunks[chunk]
             return self.embedder(self.tokens[start:end]).to(self.device)
-        record = self.state.manifest(layer - 1)["boundary"][str(chunk)]
+        record = self.manifest(layer - 1)["boundary"][str(chunk)]
         try:
             return self.state.read_tensors(record)["hidden_states"].to(self.device)
         except CorruptStateError as e:
@@ -168,15 +182,14 @@ class Runner:
             return self.replay(layer, chunk, record)
 
     def replay(self, layer: int, chunk: int, record: dict) -> torch.Tensor:
-        start = layer - 1
-        while start > 0:
+        start, x = layer - 1, None
+        while start > 0 and x is None:
             try:
-                x = self.state.read_tensors(self.state.manifest(start - 1)["boundary"][str(chunk)])["hidden_states"]
-                break
+                record_in = self.manifest(start - 1)["boundary"][str(chunk)]
+                x = self.state.read_tensors(record_in)["hidden_states"].to(self.device)
             except (CorruptStateError, KeyError, TypeError):
                 start -= 1
-            x = x.to(self.device)
-        if start == 0:
+        if x is None:
             x = self.inputs(0, chunk)
         for index in range(start, layer):
             x = _output(self.quantized_layer(index)(x, **self.kwargs(index, x.shape[0])))
@@ -190,6 +203,7 @@ class Runner:
         """This rank's chunks with their inputs, the next one read ahead in the background."""
         ahead = None
         for i, chunk in enumerate(self.mine):
+            signals.check(f"in layer {layer}")
             x = ahead.result() if ahead else self.inputs(layer, chunk)
             if i + 1 < len(self.mine):
                 ahead = self.io.submit(self.inputs, layer, self.mine[i + 1])
@@ -210,7 +224,7 @@ class Runner:
     def quantized_layer(self, layer: int):
         module = self.source.load_layer(layer).to(self.device)
         tensors = {}
-        for record in self.state.manifest(layer)["weights"]:
+        for record in self.manifest(layer)["weights"]:
             tensors.update(_to(self.state.read_tensors(record), self.device))
         self.apply_quantized(module, layer, tensors)
         return module
@@ -293,6 +307,8 @@ class Runner:
     def process(self, layer: int):
         t0 = time.perf_counter()
         seconds = {}
+        if self.rank == 0:
+            self.state.append_event({"event": "layer", "layer": layer, "time": time.time(), "epoch": self.epoch})
         module = self.source.load_layer(layer).to(self.device)
         calib = Calibration(module, input_groups(self.layer_modules[layer]), self.device)
         t = time.perf_counter()
@@ -310,14 +326,14 @@ class Runner:
 
         t = time.perf_counter()
         writes = [self.io.submit(self.state.write_tensors,
-                                 f"{StateStore.layer_dir('layers', layer)}/weights.r{self.rank}.safetensors",
+                                 f"layers/{layer:05d}/e{self.epoch:05d}.r{self.rank}.safetensors",
                                  {k: v.cpu() for k, v in written.items()})] if written else []
         self.apply_quantized(module, layer, tensors)
         boundary = {}
         if layer < self.source.num_layers - 1:
             for chunk, x in self.each_input(layer):
                 y = _output(module(x, **self.kwargs(layer, x.shape[0]))).cpu()
-                rel = f"{StateStore.layer_dir('boundaries', layer + 1)}/chunk-{chunk:05d}.safetensors"
+                rel = f"boundaries/{layer + 1:05d}/e{self.epoch:05d}/chunk-{chunk:05d}.safetensors"
                 boundary[chunk] = self.io.submit(self.state.write_tensors, rel, {"hidden_states": y})
         seconds["propagate"] = time.perf_counter() - t
 
@@ -326,7 +342,7 @@ class Runner:
                 "boundary": {str(c): {**f.result(), "samples": list(self.chunks[c])} for c, f in boundary.items()}}
         everyone = self.world.gather_objects(mine)
         if self.rank == 0:
-            self.state.commit(layer, {
+            self.state.commit(layer, self.epoch, {
                 "layer": layer, "epoch": self.epoch, "world_size": self.world.size,
                 "weights": [w for m in everyone for w in m["weights"]],
                 "boundary": {c: r for m in everyone for c, r in sorted(m["boundary"].items())},
@@ -334,8 +350,9 @@ class Runner:
                 "seconds": seconds,
             })
         self.world.barrier()
+        self.committed[layer] = self.epoch
         if self.rank == 0:
-            self.state.prune_boundaries(keep=set(range(layer, self.source.num_layers + 1)))
+            self.state.prune_boundaries(below=layer, epoch=self.epoch)
         seconds["commit"] = time.perf_counter() - t
         if self.rank == 0:
             self.state.append_event({"event": "commit", "layer": layer, "time": time.time(), "epoch": self.epoch,

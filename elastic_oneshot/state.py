@@ -2,16 +2,22 @@
 
 Layout (docs/state-format.md is the specification):
     job.json                          what is being compressed, and its fingerprint
-    epoch.json                        the job's epoch: incremented at every (re)start of the workers
     tokens.safetensors                the calibration samples, [num_samples, seq_len] int64
-    layers/LLLLL/weights.rR.safetensors   layer L's compressed tensors written by rank R
-    boundaries/LLLLL/chunk-CCCCC.safetensors  the inputs of layer L for sample chunk C
-    commits/LLLLL.json                layer L's manifest: written last, by atomic rename; it is the commit
+    epochs/EEEEE.json                 fence of epoch E: the commits valid when its workers started
+    commits/LLLLL.eEEEEE.json         layer L's manifest from epoch E: written last; it is the commit
+    layers/LLLLL/eEEEEE.rR.safetensors          layer L's compressed tensors, by rank R of epoch E
+    boundaries/LLLLL/eEEEEE/chunk-CCCCC.safetensors  inputs of layer L for sample chunk C
     events.jsonl                      history for people and `status` (never trusted for progress)
 
 Every file is written to a temporary name, fsynced, renamed, and its directory fsynced. Files are
 listed with size and sha256 in the record that refers to them, and verified when read: a torn or
 altered file is reported, never used. Only safetensors and JSON are ever read back.
+
+Fencing: every (re)start of the workers begins a new epoch by creating the next fence file, which
+cannot exist twice (link(2) fails on an existing name). A commit is created the same way, only while
+its epoch is the newest, under a name holding its epoch, and the files it names live under paths
+holding its epoch: a stale worker can neither overwrite nor delete what a newer epoch wrote. A commit
+that slips in after a newer fence was taken is not in that fence, and so is not valid.
 """
 
 import hashlib
@@ -23,7 +29,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from .errors import CorruptStateError, UsageError
+from .errors import CorruptStateError, StaleEpochError, UsageError
 
 FORMAT = 1
 
@@ -48,8 +54,9 @@ class StateStore:
         return os.path.join(self.root, rel)
 
     # -- files --------------------------------------------------------------------------------
-    def write_bytes(self, rel: str, data: bytes) -> dict:
-        """Durably write `data` at `rel`; return its record {path, size, sha256}."""
+    def write_bytes(self, rel: str, data: bytes, exclusive: bool = False) -> dict:
+        """Durably write `data` at `rel`; return its record {path, size, sha256}. With `exclusive`, fail
+        with FileExistsError if `rel` exists (atomically: the file appears by link(2), not rename)."""
         path = self.path(rel)
         parent = os.path.dirname(path)
         if not os.path.isdir(parent):
@@ -60,7 +67,13 @@ class StateStore:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        if exclusive:
+            try:
+                os.link(tmp, path)
+            finally:
+                os.remove(tmp)
+        else:
+            os.replace(tmp, path)
         _fsync_dir(parent)
         return {"path": rel, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
@@ -83,10 +96,10 @@ class StateStore:
     def read_tensors(self, record: dict) -> dict[str, torch.Tensor]:
         return st_load(self.read_bytes(record))
 
-    def write_json(self, rel: str, body: dict):
+    def write_json(self, rel: str, body: dict, exclusive: bool = False):
         """A JSON record that carries its own checksum, so a truncated or edited one is detected."""
         self.write_bytes(rel, json.dumps({"body": body, "sha256": hashlib.sha256(_canonical(body)).hexdigest()},
-                                         indent=1, sort_keys=True).encode())
+                                         indent=1, sort_keys=True).encode(), exclusive)
 
     def read_json(self, rel: str) -> dict | None:
         """The record's body; None if absent; CorruptStateError if unreadable or altered."""
@@ -132,25 +145,6 @@ class StateStore:
         self.write_json("job.json", job)
         return False
 
-    def next_epoch(self) -> int:
-        """Start a new epoch of workers: every (re)start of the job increments it, and commits carry it."""
-        try:
-            current = self.read_json("epoch.json") or {"epoch": 0}
-        except CorruptStateError:
-            current = {"epoch": max((self.manifest_epochs() or [0]))}
-        epoch = current["epoch"] + 1
-        self.write_json("epoch.json", {"epoch": epoch})
-        return epoch
-
-    def manifest_epochs(self) -> list[int]:
-        out = []
-        for name in sorted(os.listdir(self.path("commits"))) if os.path.isdir(self.path("commits")) else []:
-            try:
-                out.append(self.read_json(f"commits/{name}")["epoch"])
-            except (CorruptStateError, TypeError, KeyError):
-                pass
-        return out
-
     def job(self) -> dict:
         job = self.read_json("job.json")
         if job is None:
@@ -158,7 +152,7 @@ class StateStore:
         return job
 
     def clear(self):
-        for name in ("commits", "layers", "boundaries", "job.json", "epoch.json", "tokens.safetensors",
+        for name in ("commits", "layers", "boundaries", "epochs", "job.json", "tokens.safetensors",
                      "events.jsonl"):
             p = self.path(name)
             if os.path.isdir(p):
@@ -186,33 +180,78 @@ class StateStore:
                 pass  # a line torn by a kill
         return out
 
-    # -- layers ------------------------------------------------------------------------------
+    # -- epochs and commits ------------------------------------------------------------------------
+    def epochs(self) -> list[int]:
+        d = self.path("epochs")
+        return sorted(int(n[:-5]) for n in os.listdir(d) if n.endswith(".json") and n[:-5].isdigit()) \
+            if os.path.isdir(d) else []
+
+    def current_epoch(self) -> int:
+        return (self.epochs() or [0])[-1]
+
+    def committed(self) -> dict[int, int]:
+        """Layer -> epoch of its valid commit: the newest fence's list, plus that epoch's own commits.
+        If the newest fence is unreadable, an older one is used and the commits in between are not
+        trusted (their layers are redone)."""
+        epochs = self.epochs()
+        epoch = (epochs or [0])[-1]
+        view = {}
+        for e in reversed(epochs):
+            try:
+                view = {int(k): v for k, v in self.read_json(f"epochs/{e:05d}.json")["committed"].items()}
+                break
+            except (CorruptStateError, KeyError, TypeError):
+                continue
+        d = self.path("commits")
+        for name in os.listdir(d) if os.path.isdir(d) else []:
+            layer, _, rest = name.partition(".e")
+            if rest == f"{epoch:05d}.json" and layer.isdigit():
+                view[int(layer)] = epoch
+        return view
+
+    def begin_epoch(self, committed: dict[int, int]) -> int:
+        """Fence a new epoch: commits not in `committed` (layer -> epoch) are invalid from now on."""
+        epoch = self.current_epoch() + 1
+        try:
+            self.write_json(f"epochs/{epoch:05d}.json", {"epoch": epoch, "committed": {
+                str(k): v for k, v in sorted(committed.items())}}, exclusive=True)
+        except FileExistsError:
+            raise StaleEpochError(f"epoch {epoch} was begun by another process") from None
+        return epoch
+
     @staticmethod
-    def layer_dir(kind: str, layer: int) -> str:
-        return f"{kind}/{layer:05d}"
+    def commit_path(layer: int, epoch: int) -> str:
+        return f"commits/{layer:05d}.e{epoch:05d}.json"
 
-    def manifest(self, layer: int) -> dict | None:
-        return self.read_json(f"commits/{layer:05d}.json")
+    def manifest(self, layer: int, epoch: int) -> dict | None:
+        return self.read_json(self.commit_path(layer, epoch))
 
-    def commit(self, layer: int, manifest: dict):
-        self.write_json(f"commits/{layer:05d}.json", manifest)
+    def commit(self, layer: int, epoch: int, manifest: dict):
+        """Commit layer `layer` for `epoch`: refused (StaleEpochError) once a newer epoch has begun, or
+        if this epoch already committed it."""
+        current = self.current_epoch()
+        if current != epoch:
+            raise StaleEpochError(f"epoch {epoch} is stale (epoch {current} has begun): layer {layer} not committed")
+        try:
+            self.write_json(self.commit_path(layer, epoch), manifest, exclusive=True)
+        except FileExistsError:
+            raise StaleEpochError(f"layer {layer} was already committed in epoch {epoch}") from None
 
-    def verify_layer(self, layer: int) -> dict | None:
-        """Layer's manifest if it is committed and its weight files check out; else None, with the reason
-        raised as CorruptStateError when something is there but wrong."""
-        manifest = self.manifest(layer)
+    def verify(self, layer: int, epoch: int) -> dict:
+        """The layer's manifest, if it and its weight files check out (CorruptStateError otherwise)."""
+        manifest = self.manifest(layer, epoch)
         if manifest is None:
-            return None
+            raise CorruptStateError(f"{self.commit_path(layer, epoch)} is missing")
         for record in manifest["weights"]:
             self.read_bytes(record)
         return manifest
 
-    def prune_boundaries(self, keep: set[int]):
-        """Delete boundary directories not in `keep` (committed layers' records may still name them;
-        a reader that misses one recomputes it)."""
+    def prune_boundaries(self, below: int, epoch: int):
+        """Delete boundaries of layers below `below`, unless `epoch` is stale. Committed records may still
+        name them: a reader that misses one recomputes it."""
         root = self.path("boundaries")
-        if not os.path.isdir(root):
+        if not os.path.isdir(root) or self.current_epoch() != epoch:
             return
         for name in os.listdir(root):
-            if name.isdigit() and int(name) not in keep:
+            if name.isdigit() and int(name) < below:
                 shutil.rmtree(os.path.join(root, name), ignore_errors=True)
