@@ -42,21 +42,21 @@ def oneshot(model: str | None = None, dataset: str = "builtin", scheme: str = "W
                         ignore=("lm_head", *[i for i in ignore if i != "lm_head"]))
     if num_calibration_samples <= 0 or max_seq_length <= 1 or chunk_size <= 0:
         raise UsageError("--num-samples, --seq-len and --chunk-size must be positive")
-    job = Job(model=os.path.abspath(model), dataset=dataset, recipe=recipe,
+    job = Job(model=os.path.abspath(model), dataset=os.path.abspath(dataset) if os.path.exists(dataset) else dataset,
+              recipe=recipe,
               num_samples=num_calibration_samples, seq_len=max_seq_length, seed=seed,
               text_column=text_column, chunk_size=chunk_size, trust_remote_code=trust_remote_code)
     output_dir = output_dir or f"{os.path.basename(job.model.rstrip('/'))}-{recipe.scheme}"
     state = StateStore(state_dir or f"{output_dir.rstrip('/')}.state")
 
     source = SourceModel(job.model, trust_remote_code)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(job.model, trust_remote_code=trust_remote_code)
-    tokens = calibration_samples(dataset, tokenizer, job.num_samples, job.seq_len, seed, text_column)
-    record = job_record(job, source.digest(), tokens, source.num_layers)
+    record = job_record(job, source.digest(), source.num_layers)
     world.agree("the job (model, dataset, recipe and sampling arguments)", record["fingerprint"])
-    runner = Runner(job, state, source, tokens, world)  # validates the recipe against the model first
-    error = world.broadcast_object(_claim(state, record, tokens, restart) if world.rank == 0 else None)
+    runner = Runner(job, state, source, world)  # validates the recipe against the model first
+    error = world.broadcast_object(_claim(state, record, job, restart) if world.rank == 0 else None)
     if error:
         raise UsageError(error)
+    runner.tokens = state.tokens()
 
     if eval_samples and world.rank == 0:
         before = perplexity(job.model, dataset, eval_samples, job.seq_len, text_column)
@@ -74,13 +74,16 @@ def oneshot(model: str | None = None, dataset: str = "builtin", scheme: str = "W
     return output_dir
 
 
-def _claim(state: StateStore, record: dict, tokens, restart: bool) -> str | None:
-    """Rank 0 takes the state directory; an error travels to every rank as text."""
+def _claim(state: StateStore, record: dict, job: Job, restart: bool) -> str | None:
+    """Rank 0: resume the state, or start the job there with freshly drawn calibration samples (which
+    also surfaces dataset errors before any foreign state is touched). Errors travel to every rank as text."""
     try:
-        if state.claim(record, restart=restart):
+        if not restart and state.holds(record):
             log.info("state %s belongs to this job: resuming", state.root)
-        else:
-            state.write_tensors("tokens.safetensors", {"input_ids": tokens})
+            return None
+        tokenizer = transformers.AutoTokenizer.from_pretrained(job.model, trust_remote_code=job.trust_remote_code)
+        tokens = calibration_samples(job.dataset, tokenizer, job.num_samples, job.seq_len, job.seed, job.text_column)
+        state.claim(record, tokens, restart=restart)
     except UsageError as e:
         return str(e)
     return None

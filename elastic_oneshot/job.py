@@ -4,8 +4,6 @@ import dataclasses
 import hashlib
 import json
 
-import torch
-
 from .recipe import Recipe
 from .state import FORMAT
 
@@ -30,17 +28,14 @@ class Job:
         return cls(**{**d, "recipe": Recipe.from_dict(d["recipe"])})
 
 
-def tokens_digest(tokens: torch.Tensor) -> str:
-    return hashlib.sha256(tokens.numpy().tobytes() + str(tuple(tokens.shape)).encode()).hexdigest()
-
-
-def job_record(job: Job, model_digest: str, tokens: torch.Tensor, num_layers: int) -> dict:
-    """job.json's body. The identity (model content, token content, recipe, sampling, state format)
-    decides whether a state directory belongs to this job; paths do not."""
+def job_record(job: Job, model_digest: str, num_layers: int) -> dict:
+    """job.json's body. The identity (model content, dataset, recipe, sampling, state format) decides
+    whether a state directory belongs to this job. The samples themselves are fixed in the state when
+    the job starts, so a resume neither re-reads the dataset nor depends on it staying unchanged."""
     identity = {
         "format": FORMAT,
         "model": model_digest,
-        "dataset": tokens_digest(tokens),
+        "dataset": {"spec": job.dataset, "text_column": job.text_column},
         "recipe": job.recipe.to_dict(),
         "samples": {"num_samples": job.num_samples, "seq_len": job.seq_len, "seed": job.seed,
                     "chunk_size": job.chunk_size},

@@ -96,9 +96,9 @@ def _wait(works):
 
 
 class Runner:
-    def __init__(self, job: Job, state: StateStore, source: SourceModel, tokens: torch.Tensor,
-                 world: World | None = None):
-        self.job, self.state, self.source, self.tokens = job, state, source, tokens
+    def __init__(self, job: Job, state: StateStore, source: SourceModel, world: World | None = None):
+        self.job, self.state, self.source = job, state, source
+        self.tokens = None  # the calibration samples, set once the state is claimed
         self.world = world or World()
         self.rank, self.device = self.world.rank, self.world.device
         self.epoch, self.committed = 0, {}  # set by run(): this epoch, and layer -> epoch of its commit
@@ -126,8 +126,8 @@ class Runner:
         return f"{self.source.layer_prefix}{layer}."
 
     # -- the loop ------------------------------------------------------------------------------------
-    def start_epoch(self) -> dict:
-        """Rank 0: verify what is committed, then fence a new epoch on exactly that."""
+    def verified(self) -> dict[int, int]:
+        """Rank 0: the committed layers (layer -> epoch) whose records and weight files check out."""
         valid = {}
         for layer, epoch in sorted(self.state.committed().items()):
             try:
@@ -135,27 +135,43 @@ class Runner:
                 valid[layer] = epoch
             except CorruptStateError as e:
                 log.warning("layer %d will be redone: %s", layer, e)
-        try:
-            return {"epoch": self.state.begin_epoch(valid), "committed": valid}
-        except StaleEpochError as e:
-            return {"error": str(e)}
+        return valid
 
-    def run(self):
-        start = self.world.broadcast_object(self.start_epoch() if self.rank == 0 else None)
+    def begin_epoch(self):
+        """Fence a new epoch on what verifies now; every rank learns the epoch and the committed layers."""
+        start = None
+        if self.rank == 0:
+            valid = self.verified()
+            try:
+                start = {"epoch": self.state.begin_epoch(valid), "committed": valid}
+            except StaleEpochError as e:
+                start = {"error": str(e)}
+        start = self.world.broadcast_object(start)
         if "error" in start:
             raise StaleEpochError(start["error"])
         self.epoch, self.committed = start["epoch"], start["committed"]
-        todo = [layer for layer in range(self.source.num_layers) if layer not in self.committed]
         if self.rank == 0:
+            todo = [layer for layer in range(self.source.num_layers) if layer not in self.committed]
             self.state.append_event({"event": "start", "time": time.time(), "epoch": self.epoch,
                                      "world_size": self.world.size, "committed": len(self.committed),
                                      "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))})
             log.info("epoch %d, world size %d: %d of %d layers committed; next is layer %s", self.epoch,
                      self.world.size, len(self.committed), self.source.num_layers, todo[0] if todo else "none")
+
+    def run(self):
+        """Process every uncommitted layer; then check everything once more (a file can be damaged after
+        its commit) and, if something fails, redo it in a new epoch."""
+        self.begin_epoch()
         with torch.inference_mode():
-            for layer in todo:
-                signals.check(f"before layer {layer}")
-                self.process(layer)
+            while True:
+                for layer in range(self.source.num_layers):
+                    if layer not in self.committed:
+                        signals.check(f"before layer {layer}")
+                        self.process(layer)
+                intact = self.world.broadcast_object(self.verified() == self.committed if self.rank == 0 else None)
+                if intact:
+                    return
+                self.begin_epoch()
 
     def manifest(self, layer: int) -> dict:
         return self.state.manifest(layer, self.committed[layer])

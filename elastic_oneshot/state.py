@@ -119,19 +119,23 @@ class StateStore:
         return body
 
     # -- the job --------------------------------------------------------------------------------
-    def claim(self, job: dict, restart: bool = False) -> bool:
-        """Own this directory for `job` (a dict with a 'fingerprint'); True if it already held it.
+    def holds(self, job: dict) -> bool:
+        """Whether this directory already belongs to `job` (a dict with a 'fingerprint')."""
+        try:
+            current = self.read_json("job.json")
+        except CorruptStateError:
+            return False
+        return current is not None and current.get("fingerprint") == job["fingerprint"]
 
-        A directory holding another job is refused unless `restart`, which clears our files first.
-        """
+    def claim(self, job: dict, tokens: torch.Tensor, restart: bool = False):
+        """Start `job` here with its calibration samples. A directory holding another job (or anything
+        else) is refused unless `restart`, which clears our files first."""
         try:
             current = self.read_json("job.json")
         except CorruptStateError as e:
             if not restart:
                 raise UsageError(f"state directory {self.root}: {e}; use --restart to start over") from None
             current = None
-        if current is not None and current.get("fingerprint") == job["fingerprint"] and not restart:
-            return True
         if current is not None and not restart:
             diff = [k for k in ("model", "dataset", "recipe", "samples")
                     if _canonical(current.get("identity", {}).get(k)) != _canonical(job["identity"][k])]
@@ -142,8 +146,12 @@ class StateStore:
                 raise UsageError(f"state directory {self.root} is not empty and holds no elastic-oneshot "
                                  "job: choose an empty or new directory")
         self.clear()
-        self.write_json("job.json", job)
-        return False
+        record = self.write_tensors("tokens.safetensors", {"input_ids": tokens})
+        self.write_json("job.json", {**job, "tokens": record})
+
+    def tokens(self) -> torch.Tensor:
+        """The job's calibration samples, as fixed when it started."""
+        return self.read_tensors(self.job()["tokens"])["input_ids"]
 
     def job(self) -> dict:
         job = self.read_json("job.json")

@@ -4,22 +4,22 @@ torch's own `etcd`/`etcd-v2` backends speak etcd's v2 API, which etcd 3.4 serves
 removed. Unlike `c10d`, whose store lives inside one agent, nothing here dies with a node: any node, rank 0
 included, can be killed and the others re-rendezvous without it.
 
-Keys, all under /torchrun/elastic-oneshot/<run_id>/:
+Keys, all under /torchrun/elastic-oneshot/<run_id>/ (stale ones: see clear_finished_run):
     state      torch's pickled rendezvous state; writes are compare-and-set on the key's mod_revision
     store/...  the c10d Store the agents share (MASTER_ADDR/PORT, rank assignment, exit barrier)
 
---rdzv-conf options: cacert, cert, key (TLS; plain http without cacert), user, password (etcd auth),
-read_timeout (s per etcd call, default 5), retry_timeout (s of retrying a failing etcd, default 10; keep it below
-the rendezvous timeouts). torchrun logs --rdzv-conf, password included.
+--rdzv-conf options: cacert, cert, key (TLS; plain http without cacert), user, password (etcd auth; torchrun logs
+--rdzv-conf, password included), read_timeout (s a blocking store read waits, default 60, as for c10d),
+retry_timeout (s of retrying an unreachable etcd, default 10; keep it below the rendezvous timeouts).
 """
 from __future__ import annotations
 
 import logging
 import os
-import pickle
 import random
 import threading
 import time
+import warnings
 from datetime import timedelta
 
 # etcd3 0.12's generated *_pb2 modules predate protobuf 4 and only load with protobuf's pure-Python runtime. The
@@ -48,7 +48,9 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (  # noqa: E
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint  # noqa: E402
 
 try:
-    import etcd3
+    with warnings.catch_warnings():  # the pure-Python runtime deprecates how old generated code builds descriptors
+        warnings.simplefilter("ignore", DeprecationWarning)
+        import etcd3
     from etcd3.transactions import Delete, Get, Mod, Put, Value, Version
 except TypeError as e:  # "Descriptors cannot be created directly": protobuf was imported earlier with upb/cpp
     raise ImportError("etcd3 needs protobuf's pure-Python runtime, but protobuf was imported before "
@@ -58,6 +60,7 @@ log = logging.getLogger(__name__)
 
 KEY_ROOT = "/torchrun/elastic-oneshot/"
 _MAX_TXN_OPS = 128  # etcd's default --max-txn-ops
+_RPC_TIMEOUT = 5  # s per etcd request; requests take milliseconds, so this only cuts off a dead connection
 _TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
               grpc.StatusCode.UNAUTHENTICATED}  # UNAUTHENTICATED: auth token lost in an etcd restart
 
@@ -79,7 +82,7 @@ class _Etcd:
         if (cert or key) and not (cacert and cert and key):
             raise ValueError("etcd3 rendezvous: TLS client auth needs all of cacert, cert and key in --rdzv-conf")
         self._kwargs = dict(ca_cert=cacert, cert_cert=cert, cert_key=key, user=params.get("user"),
-                            password=params.get("password"), timeout=params.get_as_int("read_timeout", 5))
+                            password=params.get("password"), timeout=_RPC_TIMEOUT)
         self.retry_timeout = params.get_as_int("retry_timeout", 10)
         self._client: etcd3.Etcd3Client | None = None
         self._lock = threading.Lock()  # the keep-alive timer thread shares this client with the agent
@@ -148,19 +151,20 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         value, meta = kvs[0]
         return value, meta.mod_revision, ok
 
-    def clear_finished_run(self, quiet: timedelta) -> None:
+    def clear_finished_run(self, is_closed, quiet: timedelta) -> None:
         """Delete everything under this run's prefix if an earlier run with this id has ended.
 
-        torch closes the rendezvous for good when a run ends (or crashes past --max-restarts), so without this a
-        rerun under the same id, which c10d allows, would die with RendezvousClosedError. Deleting is safe once
-        no agent of the old run is alive: live agents rewrite the state with a heartbeat every keep_alive_interval,
-        so wait for `quiet` (keep_alive_interval * keep_alive_max_attempt, after which torch itself declares a
-        node dead) and delete only if the state has not changed since. A crashed run that never closed needs
-        nothing: torch drops its dead nodes from the state on its own. Store keys are keyed by rendezvous round,
-        which only grows while the state lives, so they can't be mistaken for the new run's.
+        torchrun closes the rendezvous for good when a run ends, failed or not (only killed agents leave it open),
+        so without this a rerun under the same id, which c10d allows, would die with RendezvousClosedError.
+        Deleting is safe once no agent of the old run is alive. Live agents rewrite the state with a heartbeat
+        every keep_alive_interval, so wait for `quiet` (keep_alive_interval * keep_alive_max_attempt, after which
+        torch itself declares a node dead) and delete only if the state has not changed since. A crashed run that
+        never closed needs nothing: torch drops its dead nodes from the state by itself. Store keys are prefixed
+        with the rendezvous round, which only grows while the state lives, so no run reads another's.
+        `is_closed` is the handler's own check (torch decodes its state; we never unpickle anything).
         """
         current = self.get_state()
-        if current is None or not pickle.loads(current[0]).closed:
+        if current is None or not is_closed():
             return
         log.warning("etcd3 rendezvous: run '%s' was closed by an earlier run; deleting %s if it stays unchanged for "
                     "%.0fs", self.run_id, self.prefix, quiet.total_seconds())
@@ -168,8 +172,7 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         everything = Delete(self.prefix, range_end=etcd3.utils.increment_last_byte(self.prefix.encode()))
         deleted, _ = self.etcd.call("transaction", compare=[Mod(self.key) == current[1]], success=[everything],
                                     failure=[])
-        now = None if deleted else self.get_state()
-        if now is not None and pickle.loads(now[0]).closed:
+        if not deleted and self.get_state() is not None and is_closed():
             raise RendezvousClosedError(
                 f"etcd3 rendezvous '{self.run_id}' is closed and an agent of the run that closed it is still alive: "
                 f"wait for it to exit, use another --rdzv-id, or run: etcdctl del --prefix {self.prefix}")
@@ -179,7 +182,7 @@ class EtcdV3Store(dist.Store):
     """A c10d Store on etcd keys under `prefix`, for the agents (workers bootstrap their own TCPStore from the
     MASTER_ADDR/PORT kept here). Blocking reads poll: polling has no watch to lose when etcd restarts."""
 
-    def __init__(self, etcd: _Etcd, prefix: str, timeout: timedelta = timedelta(seconds=300)):
+    def __init__(self, etcd: _Etcd, prefix: str, timeout: timedelta):
         super().__init__()
         self.etcd = etcd
         self.prefix = prefix
@@ -246,20 +249,25 @@ class EtcdV3Store(dist.Store):
         cmp = Version(k) == 0 if not expected else Value(k) == expected
         ok, responses = self.etcd.call("transaction", compare=[cmp], success=[Put(k, desired)], failure=[Get(k)])
         if ok:
-            return desired if isinstance(desired, bytes) else desired.encode()
-        return responses[0][0][0] if responses[0] else expected
+            return etcd3.utils.to_bytes(desired)
+        return responses[0][0][0] if responses[0] else etcd3.utils.to_bytes(expected)
 
 
 def create_backend(params: RendezvousParameters) -> tuple[EtcdV3RendezvousBackend, EtcdV3Store]:
     etcd = _Etcd(params)
     backend = EtcdV3RendezvousBackend(etcd, params.run_id)
-    return backend, EtcdV3Store(etcd, backend.prefix + "store/")
+    read_timeout = timedelta(seconds=params.get_as_int("read_timeout", 60))
+    return backend, EtcdV3Store(etcd, backend.prefix + "store/", read_timeout)
 
 
 def create_rdzv_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
+    # torch 2.13's default, one TCPStore hosted by the rank-0 agent for its workers, breaks scale-up: a node that
+    # joins a running job waits for a MASTER_ADDR the old rank 0 never republishes, until read_timeout kills it.
+    # With this set, each round publishes a fresh MASTER_ADDR/PORT here and rank-0 workers host their own store.
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     backend, store = create_backend(params)
     handler = create_handler(store, backend, params)
     s = handler.settings
-    backend.clear_finished_run(s.keep_alive_interval * s.keep_alive_max_attempt)
+    backend.clear_finished_run(handler.is_closed, s.keep_alive_interval * s.keep_alive_max_attempt)
     return handler
 

@@ -1,0 +1,154 @@
+"""A throwaway etcd for tests: real server on 127.0.0.1, free ports, temp data dir.
+
+    with EtcdServer() as etcd:          # or EtcdServer(tls=make_tls(tmp_path))
+        etcd.endpoint                   # "127.0.0.1:PORT", for --rdzv-endpoint / etcd3.client
+        etcd.kill(); etcd.start()       # crash and come back with the same data and ports
+        etcd.restart()                  # clean stop, then start
+
+Fails with a clear message when the `etcd` binary is missing (CI installs Debian's etcd-server).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class TLSFiles:
+    """PEM paths: the CA both sides trust, the server's cert/key, and one client cert/key signed by the CA."""
+    ca: str
+    server_cert: str
+    server_key: str
+    client_cert: str
+    client_key: str
+
+
+def make_tls(directory, name: str = "ca") -> TLSFiles:
+    """A fresh CA plus a server cert for 127.0.0.1 and a client cert, made with the openssl CLI."""
+    if shutil.which("openssl") is None:
+        raise RuntimeError("the openssl CLI is needed to make test certificates: apt-get install openssl")
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    p = {k: str(d / f"{name}-{k}") for k in ("ca.pem", "ca.key", "server.pem", "server.key", "client.pem",
+                                              "client.key", "ext")}
+
+    def openssl(*args):
+        subprocess.run(["openssl", *args], check=True, capture_output=True)
+
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", f"/CN={name}",
+            "-keyout", p["ca.key"], "-out", p["ca.pem"])
+    for who, ext in (("server", "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth"),
+                     ("client", "extendedKeyUsage=clientAuth")):
+        Path(p["ext"]).write_text(ext + "\n")
+        openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}-{who}",
+                "-keyout", p[f"{who}.key"], "-out", p[f"{who}.pem"] + ".csr")
+        openssl("x509", "-req", "-in", p[f"{who}.pem"] + ".csr", "-CA", p["ca.pem"], "-CAkey", p["ca.key"],
+                "-CAcreateserial", "-days", "2", "-extfile", p["ext"], "-out", p[f"{who}.pem"])
+    return TLSFiles(p["ca.pem"], p["server.pem"], p["server.key"], p["client.pem"], p["client.key"])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class EtcdServer:
+    """One etcd member. `tls` turns on https with client-certificate auth for the client port."""
+
+    def __init__(self, tls: TLSFiles | None = None, data_dir: str | None = None):
+        self.binary = shutil.which("etcd")
+        if self.binary is None:
+            raise RuntimeError("etcd is not installed: apt-get install -y etcd-server (CI's .ci/run does this)")
+        self.tls = tls
+        self._tmp = tempfile.mkdtemp(prefix="etcd-test-")
+        self.data_dir = data_dir or os.path.join(self._tmp, "data")
+        self.log_path = os.path.join(self._tmp, "etcd.log")
+        self.port, self.peer_port = _free_port(), _free_port()
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"{'https' if self.tls else 'http'}://{self.endpoint}"
+
+    def start(self, timeout: float = 30.0) -> "EtcdServer":
+        peer = f"http://127.0.0.1:{self.peer_port}"
+        cmd = [self.binary, "--name", "default", "--data-dir", self.data_dir,
+               "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
+               "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+               "--initial-cluster", f"default={peer}"]
+        if self.tls:
+            cmd += ["--cert-file", self.tls.server_cert, "--key-file", self.tls.server_key,
+                    "--trusted-ca-file", self.tls.ca, "--client-cert-auth"]
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self._wait_healthy(timeout)
+        return self
+
+    def _wait_healthy(self, timeout: float) -> None:
+        ctx = None
+        if self.tls:
+            ctx = ssl.create_default_context(cafile=self.tls.ca)
+            ctx.load_cert_chain(self.tls.client_cert, self.tls.client_key)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"etcd exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=1, context=ctx) as r:
+                    if b'"true"' in r.read():
+                        return
+            except OSError:
+                pass
+            time.sleep(0.1)
+        self.kill()
+        raise RuntimeError(f"etcd did not become healthy in {timeout:.0f}s:\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 4000) -> str:
+        with open(self.log_path, "rb") as f:
+            return f.read()[-n:].decode(errors="replace")
+
+    def _signal(self, sig: int, timeout: float) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.kill(self.proc.pid, sig)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self) -> None:
+        """SIGTERM (clean shutdown), SIGKILL after 10 s."""
+        self._signal(signal.SIGTERM, 10)
+
+    def kill(self) -> None:
+        """SIGKILL: a crash. Data in the data dir survives for start()."""
+        self._signal(signal.SIGKILL, 10)
+
+    def restart(self) -> "EtcdServer":
+        self.stop()
+        return self.start()
+
+    def close(self) -> None:
+        self.kill()
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+    def __enter__(self) -> "EtcdServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
