@@ -25,7 +25,7 @@ def export(state: StateStore, output: str, source: SourceModel | None = None) ->
         raise UsageError(f"model {job.model} has changed since the state was created")
 
     quantized: dict = {}
-    committed = state.committed()
+    committed = state.records.committed()
     for layer in range(record["num_layers"]):
         if layer not in committed:
             raise UsageError(f"layer {layer} of {record['num_layers']} is not committed: "

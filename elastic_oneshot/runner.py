@@ -129,7 +129,7 @@ class Runner:
     def verified(self) -> dict[int, int]:
         """Rank 0: the committed layers (layer -> epoch) whose records and weight files check out."""
         valid = {}
-        for layer, epoch in sorted(self.state.committed().items()):
+        for layer, epoch in sorted(self.state.records.committed().items()):
             try:
                 self.state.verify(layer, epoch)
                 valid[layer] = epoch
@@ -143,7 +143,7 @@ class Runner:
         if self.rank == 0:
             valid = self.verified()
             try:
-                start = {"epoch": self.state.begin_epoch(valid), "committed": valid}
+                start = {"epoch": self.state.records.begin_epoch(valid), "committed": valid}
             except StaleEpochError as e:
                 start = {"error": str(e)}
         start = self.world.broadcast_object(start)
@@ -174,7 +174,7 @@ class Runner:
                 self.begin_epoch()
 
     def manifest(self, layer: int) -> dict:
-        return self.state.manifest(layer, self.committed[layer])
+        return self.state.records.manifest(layer, self.committed[layer])
 
     # -- inputs -------------------------------------------------------------------------------------
     def kwargs(self, layer: int, batch: int) -> dict:
@@ -358,7 +358,7 @@ class Runner:
                 "boundary": {str(c): {**f.result(), "samples": list(self.chunks[c])} for c, f in boundary.items()}}
         everyone = self.world.gather_objects(mine)
         if self.rank == 0:
-            self.state.commit(layer, self.epoch, {
+            self.state.records.commit(layer, self.epoch, {
                 "layer": layer, "epoch": self.epoch, "world_size": self.world.size,
                 "weights": [w for m in everyone for w in m["weights"]],
                 "boundary": {c: r for m in everyone for c, r in sorted(m["boundary"].items())},

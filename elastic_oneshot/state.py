@@ -47,8 +47,9 @@ def _canonical(obj) -> bytes:
 
 
 class StateStore:
-    def __init__(self, root: str):
+    def __init__(self, root: str, records=None):
         self.root = os.path.abspath(root)
+        self.records = records or FileRecords(self)  # where the truth of progress lives
 
     def path(self, rel: str) -> str:
         return os.path.join(self.root, rel)
@@ -188,9 +189,39 @@ class StateStore:
                 pass  # a line torn by a kill
         return out
 
-    # -- epochs and commits ------------------------------------------------------------------------
+    # -- layers -------------------------------------------------------------------------------------
+    def verify(self, layer: int, epoch: int) -> dict:
+        """The layer's manifest, if it and its weight files check out (CorruptStateError otherwise)."""
+        manifest = self.records.manifest(layer, epoch)
+        if manifest is None:
+            raise CorruptStateError(f"the commit of layer {layer} in epoch {epoch} is missing")
+        for record in manifest["weights"]:
+            self.read_bytes(record)
+        return manifest
+
+    def prune_boundaries(self, below: int, epoch: int):
+        """Delete boundaries of layers below `below`, unless `epoch` is stale. Committed records may still
+        name them: a reader that misses one recomputes it."""
+        root = self.path("boundaries")
+        if not os.path.isdir(root) or self.records.current_epoch() != epoch:
+            return
+        for name in os.listdir(root):
+            if name.isdigit() and int(name) < below:
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+class FileRecords:
+    """Epoch fences and commits as files in the state directory (the default; see the module docstring).
+
+    The same interface over etcd is `elastic_oneshot.etcd_records.EtcdRecords`: epochs(), current_epoch(),
+    committed(), begin_epoch(committed), manifest(layer, epoch), commit(layer, epoch, manifest).
+    """
+
+    def __init__(self, files: StateStore):
+        self.files = files
+
     def epochs(self) -> list[int]:
-        d = self.path("epochs")
+        d = self.files.path("epochs")
         return sorted(int(n[:-5]) for n in os.listdir(d) if n.endswith(".json") and n[:-5].isdigit()) \
             if os.path.isdir(d) else []
 
@@ -206,11 +237,11 @@ class StateStore:
         view = {}
         for e in reversed(epochs):
             try:
-                view = {int(k): v for k, v in self.read_json(f"epochs/{e:05d}.json")["committed"].items()}
+                view = {int(k): v for k, v in self.files.read_json(f"epochs/{e:05d}.json")["committed"].items()}
                 break
             except (CorruptStateError, KeyError, TypeError):
                 continue
-        d = self.path("commits")
+        d = self.files.path("commits")
         for name in os.listdir(d) if os.path.isdir(d) else []:
             layer, _, rest = name.partition(".e")
             if rest == f"{epoch:05d}.json" and layer.isdigit():
@@ -221,7 +252,7 @@ class StateStore:
         """Fence a new epoch: commits not in `committed` (layer -> epoch) are invalid from now on."""
         epoch = self.current_epoch() + 1
         try:
-            self.write_json(f"epochs/{epoch:05d}.json", {"epoch": epoch, "committed": {
+            self.files.write_json(f"epochs/{epoch:05d}.json", {"epoch": epoch, "committed": {
                 str(k): v for k, v in sorted(committed.items())}}, exclusive=True)
         except FileExistsError:
             raise StaleEpochError(f"epoch {epoch} was begun by another process") from None
@@ -232,7 +263,7 @@ class StateStore:
         return f"commits/{layer:05d}.e{epoch:05d}.json"
 
     def manifest(self, layer: int, epoch: int) -> dict | None:
-        return self.read_json(self.commit_path(layer, epoch))
+        return self.files.read_json(self.commit_path(layer, epoch))
 
     def commit(self, layer: int, epoch: int, manifest: dict):
         """Commit layer `layer` for `epoch`: refused (StaleEpochError) once a newer epoch has begun, or
@@ -241,25 +272,7 @@ class StateStore:
         if current != epoch:
             raise StaleEpochError(f"epoch {epoch} is stale (epoch {current} has begun): layer {layer} not committed")
         try:
-            self.write_json(self.commit_path(layer, epoch), manifest, exclusive=True)
+            self.files.write_json(self.commit_path(layer, epoch), manifest, exclusive=True)
         except FileExistsError:
             raise StaleEpochError(f"layer {layer} was already committed in epoch {epoch}") from None
 
-    def verify(self, layer: int, epoch: int) -> dict:
-        """The layer's manifest, if it and its weight files check out (CorruptStateError otherwise)."""
-        manifest = self.manifest(layer, epoch)
-        if manifest is None:
-            raise CorruptStateError(f"{self.commit_path(layer, epoch)} is missing")
-        for record in manifest["weights"]:
-            self.read_bytes(record)
-        return manifest
-
-    def prune_boundaries(self, below: int, epoch: int):
-        """Delete boundaries of layers below `below`, unless `epoch` is stale. Committed records may still
-        name them: a reader that misses one recomputes it."""
-        root = self.path("boundaries")
-        if not os.path.isdir(root) or self.current_epoch() != epoch:
-            return
-        for name in os.listdir(root):
-            if name.isdigit() and int(name) < below:
-                shutil.rmtree(os.path.join(root, name), ignore_errors=True)

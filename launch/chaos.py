@@ -265,7 +265,7 @@ def check_invariants(cluster: Cluster, corrupted_layers: set[int], reference: st
     from elastic_oneshot.state import StateStore
 
     store = StateStore(cluster.state)
-    committed = store.committed()
+    committed = store.records.committed()
     layers = store.job()["num_layers"]
     if sorted(committed) != list(range(layers)):
         failures.append(f"final state lacks layers {sorted(set(range(layers)) - set(committed))}")
