@@ -18,19 +18,25 @@ from compressed_tensors.quantization.utils import calculate_qparams
 DAMPING_RETRIES = 3  # each retry multiplies the damping fraction by 10
 
 
-def hessian_add(acc: torch.Tensor, x: torch.Tensor) -> int:
-    """acc (fp64) += sum over the sequences in `x` [batch, tokens, features] of 2 X^T X; returns the
-    number of sequences.
+def hessian_add(acc: torch.Tensor, x: torch.Tensor, seq_len: int) -> int:
+    """acc (fp64) += sum over the sequences in `x` of 2 X^T X; returns the number of sequences. `x` is
+    [batch, tokens, features], or [tokens, features] from modules that see tokens flattened (MoE
+    experts): then whole sequences of `seq_len` tokens when it holds whole sequences, else one set.
 
-    Each sequence's product is computed exactly as the peer computes it (fp32, scaled by sqrt 2, same
-    operand layout), so the terms are bitwise the peer's; GPTQ's rounding decisions are chaotic in
-    the Hessian's last bits, and this keeps parity. The running sum is fp64, so the total hardly
-    depends on how sequences are split across chunks and ranks.
+    Within a call (one chunk) the terms are computed and summed exactly as the peer does (fp32, scaled
+    by sqrt 2, same operand layout, sequentially): GPTQ's rounding decisions are chaotic in the
+    Hessian's last bits, and this keeps parity. Across chunks the sum is fp64, so the total hardly
+    depends on how chunks are split across ranks.
     """
-    x = x.reshape(-1, *x.shape[-2:]) if x.dim() > 2 else x.unsqueeze(0)
+    if x.dim() > 2:
+        x = x.reshape(-1, *x.shape[-2:])
+    else:
+        x = x.reshape(-1, seq_len, x.shape[-1]) if x.shape[0] % seq_len == 0 else x.unsqueeze(0)
+    chunk = torch.zeros(acc.shape, dtype=torch.float32, device=acc.device)
     for seq in x:
         inp = math.sqrt(2) * seq.t().to(torch.float32)
-        acc += inp.matmul(inp.t())
+        chunk += inp.matmul(inp.t())
+    acc += chunk
     return x.shape[0]
 
 
@@ -45,33 +51,43 @@ def qparams(weight: torch.Tensor, args: QuantizationArgs) -> tuple[torch.Tensor,
 
 @dataclasses.dataclass
 class Result:
-    weight: torch.Tensor  # fake-quantized weight: exactly representable by (codes, scale, zero point)
+    """A batch of solved matrices [B, rows, cols]."""
+
+    weight: torch.Tensor  # fake-quantized: exactly representable by (codes, scale, zero point)
     scale: torch.Tensor
     zero_point: torch.Tensor
-    loss: float
+    loss: torch.Tensor  # [B]
 
 
 @dataclasses.dataclass
 class Prepared:
-    """What the rows of a weight need from their Hessian; computed once, shared by every row slice."""
+    """What the rows of a batch of matrices need from their Hessians; computed once, shared by every
+    row slice."""
 
-    hinv: torch.Tensor  # upper Cholesky factor of the damped inverse, in the permuted order
-    perm: torch.Tensor  # column order of the solve (identity without activation ordering)
-    dead: torch.Tensor  # columns no calibration token touched (bool)
-    damping: float | None  # dampening fraction that made H positive definite; None: round-to-nearest
+    hinv: torch.Tensor  # [B, d, d] upper Cholesky factor of the damped inverse, in the permuted order
+    perm: torch.Tensor  # [B, d] column order of the solve (identity without activation ordering)
+    dead: torch.Tensor  # [B, d] columns no calibration token touched
+    damping: list  # per matrix: the dampening fraction that worked; None: round-to-nearest
+
+    def __getitem__(self, index: slice) -> "Prepared":
+        return Prepared(self.hinv[index], self.perm[index], self.dead[index], self.damping[index])
+
+    @staticmethod
+    def cat(parts: list["Prepared"]) -> "Prepared":
+        return Prepared(torch.cat([p.hinv for p in parts]), torch.cat([p.perm for p in parts]),
+                        torch.cat([p.dead for p in parts]), [d for p in parts for d in p.damping])
 
     def pack(self) -> tuple[torch.Tensor, torch.Tensor]:
         """As two tensors, to send to another rank."""
-        damping = float("nan") if self.damping is None else self.damping
-        meta = torch.cat([self.perm.double(), self.dead.double(),
-                          torch.tensor([damping], dtype=torch.float64, device=self.perm.device)])
-        return self.hinv, meta
+        damping = torch.tensor([[float("nan") if d is None else d] for d in self.damping],
+                               dtype=torch.float64, device=self.perm.device)
+        return self.hinv, torch.cat([self.perm.double(), self.dead.double(), damping], dim=1)
 
     @classmethod
     def unpack(cls, hinv: torch.Tensor, meta: torch.Tensor) -> "Prepared":
-        d = hinv.shape[0]
-        damping = meta[2 * d].item()
-        return cls(hinv, meta[:d].long(), meta[d:2 * d].bool(), None if math.isnan(damping) else damping)
+        d = hinv.shape[-1]
+        damping = [None if math.isnan(v) else v for v in meta[:, 2 * d].tolist()]
+        return cls(hinv, meta[:, :d].long(), meta[:, d:2 * d].bool(), damping)
 
 
 def inverse_cholesky(h: torch.Tensor, frac: float) -> tuple[torch.Tensor | None, float]:
@@ -90,63 +106,74 @@ def inverse_cholesky(h: torch.Tensor, frac: float) -> tuple[torch.Tensor | None,
 
 
 def prepare(hessian: torch.Tensor, actorder, dampening_frac: float = 0.01) -> Prepared:
-    """The O(d^3) part: activation order, dead columns, and the damped inverse's Cholesky factor."""
+    """The O(d^3) part for a batch of Hessians [B, d, d]: activation order, dead columns, and the
+    damped inverse's Cholesky factor. A Hessian no token reached (all zero) gets round-to-nearest."""
     H = hessian.to(torch.float32).clone()
-    cols = H.shape[0]
-    perm = torch.arange(cols, device=H.device)
+    batch, cols, _ = H.shape
+    diag = torch.diagonal(H, dim1=-2, dim2=-1)
     if actorder:
-        perm = torch.argsort(torch.diag(H), descending=True)
-        H = H[perm][:, perm]
-    dead = torch.diag(H) == 0
-    H.diagonal()[dead] = 1
-    hinv, damping = inverse_cholesky(H, dampening_frac)
-    if hinv is None:
-        hinv, damping = torch.eye(cols, device=H.device), None
+        perm = torch.argsort(diag, dim=-1, descending=True)
+        H = torch.gather(H, -1, perm.unsqueeze(-2).expand(-1, cols, -1))
+        H = torch.gather(H, -2, perm.unsqueeze(-1).expand(-1, -1, cols))
+    else:
+        perm = torch.arange(cols, device=H.device).expand(batch, cols).contiguous()
+    diag = torch.diagonal(H, dim1=-2, dim2=-1)
+    dead = diag == 0
+    untouched = dead.all(dim=-1)
+    dead[untouched] = False
+    diag.masked_fill_(dead, 1)
+    hinv, damping = torch.empty_like(H), []
+    for b in range(batch):
+        inv, f = (None, None) if untouched[b] else inverse_cholesky(H[b], dampening_frac)
+        hinv[b] = torch.eye(cols, device=H.device) if inv is None else inv
+        damping.append(None if inv is None else f)
     return Prepared(hinv, perm, dead, damping)
 
 
 def solve(weight: torch.Tensor, prep: Prepared, args: QuantizationArgs, block_size: int = 128) -> Result:
-    """The O(rows * d^2) part, for any subset of a matrix's rows (rows are independent given `prep`)."""
+    """The O(rows * d^2) part for a batch [B, rows, d] of any rows (rows are independent given `prep`)."""
     scale, zero_point = qparams(weight, args)
-    rows, cols = weight.shape
+    batch, rows, cols = weight.shape
     perm = prep.perm
-    W = weight.to(torch.float32)[:, perm]
+    W = torch.gather(weight.to(torch.float32), -1, perm.unsqueeze(-2).expand(-1, rows, -1))
     if args.strategy == QuantizationStrategy.GROUP:
-        g_idx = (torch.arange(cols, device=W.device) // args.group_size)[perm]
-        col_scale, col_zp = scale[:, g_idx], zero_point[:, g_idx]
+        g_idx = (torch.arange(cols, device=W.device) // args.group_size)[perm]  # [B, d]
     else:
-        col_scale, col_zp = scale.expand(rows, cols), zero_point.expand(rows, cols)
-    zp_used = None if args.symmetric else col_zp
-    W[:, prep.dead] = 0
+        g_idx = torch.zeros_like(perm)
+    W.masked_fill_(prep.dead.unsqueeze(-2), 0)
     Hinv = prep.hinv
 
     column_args = copy(args)
     column_args.strategy = QuantizationStrategy.CHANNEL
-    loss = torch.zeros(rows, device=W.device)
+    loss = torch.zeros(batch, rows, device=W.device)
     for i1 in range(0, cols, block_size):
         i2 = min(i1 + block_size, cols)
-        W1 = W[:, i1:i2].clone()
+        window = g_idx[:, i1:i2].unsqueeze(-2).expand(-1, rows, -1)
+        col_scale = torch.gather(scale, -1, window)
+        col_zp = None if args.symmetric else torch.gather(zero_point, -1, window)
+        W1 = W[:, :, i1:i2].clone()
         Err1 = torch.zeros_like(W1)
-        Hinv1 = Hinv[i1:i2, i1:i2]
+        Hinv1 = Hinv[:, i1:i2, i1:i2]
         for i in range(i2 - i1):
-            w = W1[:, i]
-            q = fake_quantize(w.unsqueeze(1), col_scale[:, i1 + i:i1 + i + 1],
-                              None if zp_used is None else zp_used[:, i1 + i:i1 + i + 1],
-                              column_args).squeeze(1)
-            err = (w - q) / Hinv1[i, i]
-            W1[:, i] = q
-            Err1[:, i] = err
+            w = W1[:, :, i]
+            q = fake_quantize(w.reshape(-1, 1), col_scale[:, :, i].reshape(-1, 1),
+                              None if col_zp is None else col_zp[:, :, i].reshape(-1, 1),
+                              column_args).reshape(batch, rows)
+            err = (w - q) / Hinv1[:, i, i].unsqueeze(-1)
+            W1[:, :, i] = q
+            Err1[:, :, i] = err
             loss += err.square() / 2
-            W1[:, i + 1:] -= err.unsqueeze(1) * Hinv1[i, i + 1:].unsqueeze(0)
-        W[:, i1:i2] = W1
-        W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
+            W1[:, :, i + 1:] -= err.unsqueeze(-1) * Hinv1[:, i, i + 1:].unsqueeze(-2)
+        W[:, :, i1:i2] = W1
+        W[:, :, i2:] -= torch.bmm(Err1, Hinv[:, i1:i2, i2:])
 
-    W = W[:, torch.argsort(perm)]
-    return Result(W.to(weight.dtype), scale.to(weight.dtype), zero_point, float(loss.sum()))
+    W = torch.gather(W, -1, torch.argsort(perm, dim=-1).unsqueeze(-2).expand(-1, rows, -1))
+    return Result(W.to(weight.dtype), scale.to(weight.dtype), zero_point, loss.sum(-1))
 
 
 def quantize(weight: torch.Tensor, hessian: torch.Tensor, args: QuantizationArgs,
              block_size: int = 128, dampening_frac: float = 0.01) -> tuple[Result, Prepared]:
     """GPTQ one weight matrix [rows, cols] against its normalized Hessian [cols, cols]."""
-    prep = prepare(hessian, args.actorder, dampening_frac)
-    return solve(weight, prep, args, block_size), prep
+    prep = prepare(hessian.unsqueeze(0), args.actorder, dampening_frac)
+    r = solve(weight.unsqueeze(0), prep, args, block_size)
+    return Result(r.weight[0], r.scale[0], r.zero_point[0], r.loss[0]), prep

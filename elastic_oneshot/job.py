@@ -19,6 +19,9 @@ class Job:
     text_column: str = "text"
     chunk_size: int = 8
     trust_remote_code: bool = False
+    moe_calibrate: str = "all"  # "all": every expert sees every token; "routed": only its own
+    attention: str = "eager"  # the peer's numerics; "sdpa" is faster and differs in the last bits
+    coordinator: str | None = None  # etcd URL holding the epochs and commits (password removed); not in the identity
 
     def to_dict(self) -> dict:
         return {**dataclasses.asdict(self), "recipe": self.recipe.to_dict()}
@@ -38,7 +41,8 @@ def job_record(job: Job, model_digest: str, num_layers: int) -> dict:
         "dataset": {"spec": job.dataset, "text_column": job.text_column},
         "recipe": job.recipe.to_dict(),
         "samples": {"num_samples": job.num_samples, "seq_len": job.seq_len, "seed": job.seed,
-                    "chunk_size": job.chunk_size},
+                    "chunk_size": job.chunk_size, "moe_calibrate": job.moe_calibrate,
+                    "attention": job.attention},
     }
     fingerprint = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
     return {"fingerprint": fingerprint, "identity": identity, "job": job.to_dict(), "num_layers": num_layers}

@@ -12,8 +12,9 @@ import transformers
 from safetensors import safe_open
 
 from .errors import UsageError
+from .moe import make_quantizable
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 
 
 def _read_header(path: str) -> bytes:
@@ -25,8 +26,10 @@ def _read_header(path: str) -> bytes:
 class SourceModel:
     """A Hugging Face model directory: config, meta skeleton, and per-layer weights read lazily."""
 
-    def __init__(self, path: str, trust_remote_code: bool = False):
-        """`path`: a model directory, or (for planning only) a config.json on its own."""
+    def __init__(self, path: str, trust_remote_code: bool = False, attention: str = "eager"):
+        """`path`: a model directory, or (for planning only) a config.json on its own. `attention`: eager
+        by default, because llmcompressor's traced calibration computes attention exactly as eager does
+        (sdpa differs in the last bits, and GPTQ's rounding decisions amplify last bits)."""
         if os.path.isfile(path) and path.endswith(".json"):
             path = os.path.dirname(path) or "."
         if not os.path.isdir(path):
@@ -48,8 +51,9 @@ class SourceModel:
             self.dtype = getattr(torch, self.dtype)
         with torch.device("meta"):
             self.skeleton = transformers.AutoModelForCausalLM.from_config(
-                self.config, dtype=self.dtype, attn_implementation="sdpa",
+                self.config, dtype=self.dtype, attn_implementation=attention,
                 trust_remote_code=trust_remote_code)
+        self.moe_blocks = make_quantizable(self.skeleton, self.config)
         self.decoder = self.skeleton.get_decoder()
         self.layers = self.decoder.layers
         self.layer_prefix = next(n for n, m in self.skeleton.named_modules() if m is self.layers) + "."

@@ -5,6 +5,7 @@ onload the layer from the checkpoint, accumulate Hessians in a calibration pass,
 propagation pass with the quantized weights writes the next boundary, and a manifest commits it all.
 """
 
+import contextlib
 import logging
 import os
 import time
@@ -19,7 +20,9 @@ from .dist import World
 from .errors import CorruptStateError, StaleEpochError, UsageError
 from .job import Job
 from .model import Embedder, SourceModel
-from .plan import Group, input_groups, layer_groups, make_plan
+from .moe import MoEBlock
+from .plan import Group, layer_groups, make_plan
+from .progress import LayerBar
 from .recipe import check_divisible
 from .state import StateStore
 
@@ -32,12 +35,12 @@ class _Stop(Exception):
 class Calibration:
     """Hooks that accumulate one Hessian per input group while the layer runs on calibration chunks."""
 
-    def __init__(self, layer: torch.nn.Module, groups: list[list[str]], device):
+    def __init__(self, layer: torch.nn.Module, groups: list[list[str]], device, seq_len: int):
         modules = dict(layer.named_modules())
         self.hessian = {g[0]: torch.zeros(modules[g[0]].in_features, modules[g[0]].in_features,
                                           dtype=torch.float64, device=device) for g in groups}
         self.sequences = {g[0]: 0 for g in groups}
-        self.seconds = 0.0
+        self.seconds, self.seq_len = 0.0, seq_len
         self.order: list[str] = []
         self.last = None
         self._inputs: dict = {}
@@ -49,14 +52,14 @@ class Calibration:
             x = args[0]
             if name == leader:
                 t = time.perf_counter()
-                self.sequences[leader] += gptq.hessian_add(self.hessian[leader], x)
+                self.sequences[leader] += gptq.hessian_add(self.hessian[leader], x, self.seq_len)
                 self.seconds += time.perf_counter() - t
                 self._inputs[leader] = x
             elif self._inputs.get(leader) is not x:
                 raise RuntimeError(f"{name} was expected to share its input with {leader}")
             if self.last is None:
                 self.order.append(name)
-            elif name == self.last:
+            elif self.last and name == self.last:
                 raise _Stop
         return hook
 
@@ -67,8 +70,9 @@ class Calibration:
             pass
         finally:
             self._inputs.clear()
-        if self.last is None:
-            self.last = self.order[-1]
+        if self.last is None and self.order:
+            # Stop early from now on only if every hooked module ran (routed experts may not).
+            self.last = self.order[-1] if len(set(self.order)) == len(self._handles) else False
 
     def remove(self):
         for h in self._handles:
@@ -87,6 +91,31 @@ def _to(obj, device):
     if isinstance(obj, dict):
         return {k: _to(v, device) for k, v in obj.items()}
     return obj
+
+
+def _batches(items: list, key, size, limit: int = 2**27) -> list[list]:
+    """Items of equal `key` in batches whose total `size` (elements) stays under `limit`, in order."""
+    out, open_ = [], {}
+    for item in items:
+        batch = open_.get(key(item))
+        if batch is None or sum(size(i) for i in batch) + size(item) > limit:
+            batch = open_[key(item)] = []
+            out.append(batch)
+        batch.append(item)
+    return out
+
+
+@contextlib.contextmanager
+def experts_mode(layer: torch.nn.Module, all_experts: bool):
+    """Run every expert on every token (all-experts calibration) inside; routed outside."""
+    blocks = [m for m in layer.modules() if isinstance(m, MoEBlock)]
+    for b in blocks:
+        b.all_experts = all_experts
+    try:
+        yield
+    finally:
+        for b in blocks:
+            b.all_experts = False
 
 
 def _wait(works):
@@ -162,6 +191,7 @@ class Runner:
         """Process every uncommitted layer; then check everything once more (a file can be damaged after
         its commit) and, if something fails, redo it in a new epoch."""
         self.begin_epoch()
+        self.progress = LayerBar(self.source.num_layers, len(self.committed), show=self.rank == 0)
         with torch.inference_mode():
             while True:
                 for layer in range(self.source.num_layers):
@@ -245,105 +275,149 @@ class Runner:
         self.apply_quantized(module, layer, tensors)
         return module
 
-    def solve(self, layer_module, layer: int, calib: Calibration) -> tuple[dict, dict, dict]:
-        """GPTQ the layer's input groups across ranks by the plan: Hessians are reduced to the rank that
-        prepares each group's inverse, row slices of split groups receive it from there, and every
-        result is broadcast as soon as it is solved, so all ranks end with every quantized weight.
-        Returns all compressed tensors, those this rank writes (its prepared groups'), and its notes."""
+    def solve(self, layer_module, layer: int, calib: Calibration, groups: list[Group]) -> tuple[dict, dict]:
+        """GPTQ `groups` across ranks by the plan: Hessians are reduced to the rank that prepares each
+        group's inverse; row slices of split groups receive it from there; each rank solves its work in
+        batches of equal shape (experts) and broadcasts every result in plan order as soon as it has it.
+        Every rank ends with every quantized weight; each group's preparer persists it at once.
+        Returns the compressed tensors of these groups and this rank's notes."""
         modules = dict(layer_module.named_modules())
-        groups = layer_groups(layer_module, self.layer_modules[layer])
         plan = make_plan(groups, self.world.size)
         owners = plan.owners()
         me, args = self.rank, self.scheme.weights
         _wait([self.world.reduce_to(calib.hessian[g.name], owners[g.name]) for g in groups])
 
         prepared, transfers, notes = {}, [], {}
-        for g in groups:
-            if owners[g.name] == me:
-                h = (calib.hessian[g.name] / self.job.num_samples).to(torch.float32)
-                p = prepared[g.name] = gptq.prepare(h, args.actorder, self.job.recipe.dampening_frac)
-                self._report(layer, g, p)
-                notes.update({name: {"damping": p.damping} for name, _ in g.modules})
+        for batch in _batches([g for g in groups if owners[g.name] == me], lambda g: (g.cols,), lambda g: g.cols ** 2):
+            h = torch.stack([calib.hessian.pop(g.name) for g in batch]) / self.job.num_samples
+            p = gptq.prepare(h, args.actorder, self.job.recipe.dampening_frac)
+            for i, g in enumerate(batch):
+                prepared[g.name] = p[i:i + 1]
+                self._report(layer, g, p.damping[i])
+                notes.update({name: {"damping": p.damping[i]} for name, _ in g.modules})
                 for w in plan.work:
                     if w.group == g and w.rank != me:
-                        transfers += [self.world.send(t, w.rank) for t in p.pack()]
+                        transfers += [self.world.send(t, w.rank) for t in prepared[g.name].pack()]
+        calib.hessian.clear()
         received = {}
         for w in plan.work:
             if w.rank == me and w.prep_rank != me and w.group.name not in received:
                 d = w.group.cols
-                bufs = (torch.empty(d, d, device=self.device), torch.empty(2 * d + 1, dtype=torch.float64,
-                                                                            device=self.device))
+                bufs = (torch.empty(1, d, d, device=self.device),
+                        torch.empty(1, 2 * d + 1, dtype=torch.float64, device=self.device))
                 transfers += [self.world.recv(t, w.prep_rank) for t in bufs]
                 received[w.group.name] = bufs
         _wait(transfers)
         prepared.update({name: gptq.Prepared.unpack(*bufs) for name, bufs in received.items()})
 
-        results, pending = {}, []
+        def rows(w):
+            return torch.cat([modules[n].weight[lo:hi] for n, lo, hi in w.pieces()])
+
+        mine = [w for w in plan.work if w.rank == me]
+        batches = _batches(mine, lambda w: (w.end - w.start, w.group.cols), lambda w: (w.end - w.start) * w.group.cols)
+        results, pending, solved = {}, [], {}
         for w in plan.work:
-            g, rows = w.group, w.end - w.start
-            weight = torch.cat([modules[n].weight for n, _ in g.modules])[w.start:w.end]
-            if w.rank == me:
-                r = gptq.solve(weight, prepared[g.name], args, self.job.recipe.block_size)
-                bufs = (r.weight.contiguous(), r.scale.contiguous(), r.zero_point.contiguous())
-            else:
-                groups_n = g.cols // args.group_size if args.group_size else 1
-                bufs = (torch.empty_like(weight), torch.empty(rows, groups_n, dtype=weight.dtype, device=self.device),
-                        torch.empty(rows, groups_n, dtype=args.zp_dtype, device=self.device))
-            pending += [self.world.broadcast(t, w.rank) for t in bufs]
-            results[(g.name, w.start)] = bufs
+            key = (w.group.name, w.start)
+            if w.rank == me and key not in results:
+                batch = next(b for b in batches if w in b)
+                r = gptq.solve(torch.stack([rows(o) for o in batch]), gptq.Prepared.cat(
+                    [prepared[o.group.name] for o in batch]), args, self.job.recipe.block_size)
+                for i, o in enumerate(batch):
+                    results[(o.group.name, o.start)] = (r.weight[i], r.scale[i], r.zero_point[i])
+                whole = [o.group for o in batch if not o.split]
+                if whole:
+                    solved[len(solved)] = self.io.submit(self._persist, layer, len(solved), whole, {
+                        g: results[(g.name, 0)] for g in whole})
+            elif w.rank != me:
+                n, weight = w.end - w.start, modules[w.group.modules[0][0]].weight
+                ngroups = w.group.cols // args.group_size if args.group_size else 1
+                results[key] = (torch.empty(n, w.group.cols, dtype=weight.dtype, device=self.device),
+                                torch.empty(n, ngroups, dtype=weight.dtype, device=self.device),
+                                torch.empty(n, ngroups, dtype=args.zp_dtype, device=self.device))
+            pending += [self.world.broadcast(t, w.rank) for t in results[key]]
         _wait(pending)
 
-        tensors, written = {}, {}
+        split = [g for g in groups if owners[g.name] == me and any(w.group == g and w.split for w in plan.work)]
+        if split:
+            solved[len(solved)] = self.io.submit(self._persist, layer, len(solved), split, {
+                g: [torch.cat(parts) for parts in zip(*(results[(w.group.name, w.start)] for w in sorted(
+                    plan.work, key=lambda w: w.start) if w.group == g))] for g in split})
+        for f in solved.values():
+            f.result()
+        tensors = {}
         for g in groups:
-            slices = [results[(g.name, w.start)] for w in sorted(plan.work, key=lambda w: w.start) if w.group == g]
-            weight, scale, zp = (torch.cat(parts) for parts in zip(*slices))
-            row = 0
-            for name, rows in g.modules:
-                part = {"weight": weight[row:row + rows], "weight_scale": scale[row:row + rows],
-                        "weight_zero_point": zp[row:row + rows]}
-                row += rows
-                compressed = PackedQuantizationCompressor.compress(part, self.scheme)
-                compressed = {f"{self.prefix(layer)}{name}.{k}": v for k, v in compressed.items()}
-                tensors.update(compressed)
-                if owners[g.name] == me:
-                    written.update(compressed)
-        return tensors, written, notes
+            parts = [results[(g.name, w.start)] for w in sorted(plan.work, key=lambda w: w.start) if w.group == g]
+            tensors.update(self._compress(layer, g, *(torch.cat(p) for p in zip(*parts))))
+        return tensors, notes
 
-    def _report(self, layer, group: Group, r: gptq.Prepared):
-        names = "+".join(n.rsplit(".", 1)[-1] for n, _ in group.modules)
-        if r.damping is None:
-            log.error("!!! layer %d %s: Hessian not positive definite even with damping %.3g: quantized "
-                      "with ROUND-TO-NEAREST, not GPTQ", layer, names,
+    def _compress(self, layer: int, group: Group, weight, scale, zero_point) -> dict:
+        """The group's stacked result split into its modules' compressed-tensors tensors."""
+        out, row = {}, 0
+        for name, rows in group.modules:
+            part = {"weight": weight[row:row + rows], "weight_scale": scale[row:row + rows],
+                    "weight_zero_point": zero_point[row:row + rows]}
+            row += rows
+            compressed = PackedQuantizationCompressor.compress(part, self.scheme)
+            out.update({f"{self.prefix(layer)}{name}.{k}": v for k, v in compressed.items()})
+        return out
+
+    def _persist(self, layer: int, index: int, groups: list[Group], results: dict):
+        """Sub-layer progress: solved groups go to disk as soon as they are known (in the I/O thread)."""
+        tensors = {}
+        for g in groups:
+            tensors.update({k: v.cpu() for k, v in self._compress(layer, g, *results[g]).items()})
+        self.state.write_solved(layer, self.epoch, f"r{self.rank}.b{index:04d}", [g.name for g in groups], tensors)
+
+    def _report(self, layer, group: Group, damping: float | None):
+        names = group.name + (f" (+{len(group.modules) - 1})" if len(group.modules) > 1 else "")
+        if damping is None:
+            log.error("!!! layer %d %s: Hessian not positive definite even with damping %.3g, or no calibration "
+                      "token reached it: quantized with ROUND-TO-NEAREST, not GPTQ", layer, names,
                       max(self.job.recipe.dampening_frac, 0.01) * 10 ** gptq.DAMPING_RETRIES)
-        elif r.damping != self.job.recipe.dampening_frac:
+        elif damping != self.job.recipe.dampening_frac:
             log.warning("layer %d %s: Hessian not positive definite at damping %.3g; used %.3g", layer,
-                        names, self.job.recipe.dampening_frac, r.damping)
+                        names, self.job.recipe.dampening_frac, damping)
 
     # -- one layer ----------------------------------------------------------------------------------
+    def reuse_solved(self, layer: int) -> tuple[dict, list[dict]]:
+        """Groups of this layer solved by an earlier attempt (sub-layer progress): their tensors, records."""
+        records = self.world.broadcast_object(self.state.solved(layer, self.epoch) if self.rank == 0 else None)
+        tensors = {}
+        for r in records:
+            tensors.update(_to(self.state.read_tensors(r["file"]), self.device))
+        return tensors, records
+
     def process(self, layer: int):
         t0 = time.perf_counter()
         seconds = {}
         if self.rank == 0:
             self.state.append_event({"event": "layer", "layer": layer, "time": time.time(), "epoch": self.epoch})
         module = self.source.load_layer(layer).to(self.device)
-        calib = Calibration(module, input_groups(self.layer_modules[layer]), self.device)
+        all_experts = self.job.moe_calibrate == "all"
+        groups = layer_groups(module, self.layer_modules[layer], all_experts)
+        tensors, reused = self.reuse_solved(layer)
+        done = {name for r in reused for name in r["groups"]}
+        if done and self.rank == 0:
+            log.info("layer %d: %d of %d groups were solved before this restart; solving the other %d", layer,
+                     len(done), len(groups), len(groups) - len(done))
+        groups = [g for g in groups if g.name not in done]
+        calib = Calibration(module, [[n for n, _ in g.modules] for g in groups], self.device, self.job.seq_len)
         t = time.perf_counter()
         seconds["load"] = t - t0
-        for chunk, x in self.each_input(layer):
-            calib.run(module, x, self.kwargs(layer, x.shape[0]))
+        with experts_mode(module, all_experts):
+            for chunk, x in self.each_input(layer):
+                calib.run(module, x, self.kwargs(layer, x.shape[0]))
         calib.remove()
         seconds["hessian"] = calib.seconds
         seconds["calibrate"] = time.perf_counter() - t - calib.seconds
 
         t = time.perf_counter()
-        tensors, written, notes = self.solve(module, layer, calib)
+        solved, notes = self.solve(module, layer, calib, groups)
+        tensors.update(solved)
         del calib
         seconds["gptq"] = time.perf_counter() - t
 
         t = time.perf_counter()
-        writes = [self.io.submit(self.state.write_tensors,
-                                 f"layers/{layer:05d}/e{self.epoch:05d}.r{self.rank}.safetensors",
-                                 {k: v.cpu() for k, v in written.items()})] if written else []
         self.apply_quantized(module, layer, tensors)
         boundary = {}
         if layer < self.source.num_layers - 1:
@@ -354,13 +428,13 @@ class Runner:
         seconds["propagate"] = time.perf_counter() - t
 
         t = time.perf_counter()
-        mine = {"weights": [w.result() for w in writes], "notes": notes,
+        mine = {"notes": notes,
                 "boundary": {str(c): {**f.result(), "samples": list(self.chunks[c])} for c, f in boundary.items()}}
         everyone = self.world.gather_objects(mine)
         if self.rank == 0:
             self.state.records.commit(layer, self.epoch, {
                 "layer": layer, "epoch": self.epoch, "world_size": self.world.size,
-                "weights": [w for m in everyone for w in m["weights"]],
+                "weights": [r["file"] for r in self.state.solved(layer, self.epoch)],
                 "boundary": {c: r for m in everyone for c, r in sorted(m["boundary"].items())},
                 "modules": {n: v for m in everyone for n, v in sorted(m["notes"].items())},
                 "seconds": seconds,
@@ -375,3 +449,4 @@ class Runner:
                                      "world_size": self.world.size, "seconds": seconds})
         log.info("layer %d/%d committed in %.1f s (%s)", layer + 1, self.source.num_layers,
                  time.perf_counter() - t0, ", ".join(f"{k} {v:.2f}" for k, v in seconds.items()))
+        self.progress.update(len(self.committed))

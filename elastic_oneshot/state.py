@@ -49,7 +49,20 @@ def _canonical(obj) -> bytes:
 class StateStore:
     def __init__(self, root: str, records=None):
         self.root = os.path.abspath(root)
-        self.records = records or FileRecords(self)  # where the truth of progress lives
+        self.records = records or self._recorded_records()  # where the truth of progress lives
+
+    def _recorded_records(self):
+        """FileRecords, or the etcd records of job.json's coordinator (`etcd_records`, imported only then): every
+        reader of a state whose commits live in etcd (export, status, a resume) finds them there."""
+        try:
+            coordinator = ((self.read_json("job.json") or {}).get("job") or {}).get("coordinator")
+        except CorruptStateError:
+            coordinator = None
+        if not coordinator:
+            return FileRecords(self)
+        from .etcd_records import EtcdRecords
+
+        return EtcdRecords.from_url(coordinator)
 
     def path(self, rel: str) -> str:
         return os.path.join(self.root, rel)
@@ -198,6 +211,40 @@ class StateStore:
         for record in manifest["weights"]:
             self.read_bytes(record)
         return manifest
+
+    def write_solved(self, layer: int, epoch: int, name: str, groups: list[str], tensors: dict) -> dict:
+        """Persist solved groups of a layer before the layer commits (sub-layer progress)."""
+        stem = f"layers/{layer:05d}/e{epoch:05d}.{name}"
+        record = self.write_tensors(f"{stem}.safetensors", tensors)
+        self.write_json(f"{stem}.json", {"groups": groups, "file": record})
+        return record
+
+    def solved(self, layer: int, epoch: int) -> list[dict]:
+        """Rank 0, when `epoch` starts work on `layer`: the intact solved-group records it may reuse.
+        Records of older epochs count only if taken into this epoch's fence for the layer, written on
+        first call, so that a stale worker's late writes are never picked up."""
+        folder, fence = f"layers/{layer:05d}", f"layers/{layer:05d}/fence.e{epoch:05d}.json"
+        try:
+            listed = self.read_json(fence)
+        except CorruptStateError:
+            listed = None
+        names = sorted(n for n in os.listdir(self.path(folder)) if n.endswith(".json") and n.startswith("e")) \
+            if os.path.isdir(self.path(folder)) else []
+        out, older = [], []
+        for name in names:
+            own = name.startswith(f"e{epoch:05d}.")
+            if not own and listed is not None and name not in listed["records"]:
+                continue
+            try:
+                body = self.read_json(f"{folder}/{name}")
+                self.read_bytes(body["file"])
+            except (CorruptStateError, KeyError, TypeError):
+                continue
+            out.append(body)
+            older += [] if own else [name]
+        if listed is None:
+            self.write_json(fence, {"records": older})
+        return out
 
     def prune_boundaries(self, below: int, epoch: int):
         """Delete boundaries of layers below `below`, unless `epoch` is stale. Committed records may still

@@ -69,7 +69,7 @@ def test_corrupt_files_are_redone_and_output_is_identical(deep_llama, reference,
     out, state = str(tmp_path / "out"), str(tmp_path / "state")
     oneshot(model=deep_llama, output_dir=out, state_dir=state, **JOB)
 
-    weights = os.path.join(state, "layers/00002/e00001.r0.safetensors")
+    weights = os.path.join(state, "layers/00002/e00001.r0.b0001.safetensors")
     with open(weights, "r+b") as f:  # flip bytes inside a committed layer file
         f.seek(os.path.getsize(weights) // 2)
         f.write(b"\xde\xad\xbe\xef")
@@ -85,10 +85,11 @@ def test_corrupt_files_are_redone_and_output_is_identical(deep_llama, reference,
     with caplog.at_level(logging.INFO, logger="elastic_oneshot"):
         oneshot(model=deep_llama, output_dir=out, state_dir=state, **JOB)
     text = caplog.text
-    assert "layer 2 will be redone: layers/00002/e00001.r0.safetensors does not match its checksum" in text
+    assert "layer 2 will be redone: layers/00002/e00001.r0.b0001.safetensors does not match its checksum" in text
     assert "layer 5 will be redone: commits/00005.e00001.json is not a readable record" in text
     assert "boundary 7 chunk 2: boundaries/00007/e00001/chunk-00002.safetensors has 100 bytes" in text
     assert re.findall(r"layer (\d+/\d+) committed", text) == ["3/8", "6/8", "8/8"]
+    assert "layer 2: 3 of 4 groups were solved before this restart; solving the other 1" in text
     assert tree_digest(out) == reference
 
 

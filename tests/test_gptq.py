@@ -37,7 +37,7 @@ def test_matches_llmcompressor(symmetric, actorder, group_size):
     w, h = problem()
     ours, prep = gptq.quantize(w, h, args, block_size=128, dampening_frac=0.01)
     q, scale, zp, fallback = peer(w, h, args)
-    assert not fallback and prep.damping == 0.01
+    assert not fallback and prep.damping == [0.01]
     assert torch.equal(ours.scale, scale) and torch.equal(ours.zero_point, zp)
     same = (ours.weight == q).float().mean().item()
     print(f"identical weights {same:.4%}")
@@ -53,7 +53,8 @@ def test_shared_hessian_rows_stack():
     apart = torch.cat([gptq.quantize(w[:40], h, args)[0].weight, gptq.quantize(w[40:], h, args)[0].weight])
     assert (together.weight == apart).float().mean() > 0.999
     shared = gptq.Prepared.unpack(*prep.pack())  # as a slice owner receives it
-    sliced = torch.cat([gptq.solve(w[:32], shared, args).weight, gptq.solve(w[32:], shared, args).weight])
+    sliced = torch.cat([gptq.solve(w[None, :32], shared, args).weight[0],
+                        gptq.solve(w[None, 32:], shared, args).weight[0]])
     assert (together.weight == sliced).float().mean() > 0.999
 
 
@@ -62,9 +63,21 @@ def test_indefinite_hessian_retries_damping_then_falls_back():
     w, h = problem(dead=())
     h -= torch.eye(h.shape[0]) * torch.diag(h).mean() * 0.05  # indefinite at damping 0.01
     _, prep = gptq.quantize(w, h, args, dampening_frac=0.01)
-    assert prep.damping is not None and prep.damping > 0.01
+    assert prep.damping[0] is not None and prep.damping[0] > 0.01
     h_bad = -torch.eye(h.shape[0]) + torch.diag(torch.full((h.shape[0],), 0.5))
     r, prep = gptq.quantize(w, h_bad, args)
-    assert prep.damping is None  # round-to-nearest, reported by the caller
+    assert prep.damping == [None]  # round-to-nearest, reported by the caller
     rtn = gptq.quantize(w, torch.eye(h.shape[0]), args)[0].weight
     assert torch.equal(r.weight, rtn)
+
+
+def test_batched_equals_one_at_a_time():
+    """Equal-shape matrices (MoE experts) solved as one batch give what they give one by one."""
+    args = QuantizationArgs(num_bits=4, group_size=64, actorder="static", observer="memoryless_minmax")
+    problems = [problem(rows=32, cols=128, seed=s) for s in range(4)]
+    w, h = torch.stack([p[0] for p in problems]), torch.stack([p[1] for p in problems])
+    batched = gptq.solve(w, gptq.prepare(h, "static"), args).weight
+    single = torch.stack([gptq.quantize(pw, ph, args)[0].weight for pw, ph in problems])
+    assert torch.equal(batched, single)
+    untouched = gptq.prepare(torch.zeros(1, 128, 128), "static")  # an expert no token reached
+    assert untouched.damping == [None] and not untouched.dead.any()
