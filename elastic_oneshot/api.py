@@ -1,20 +1,25 @@
 """`oneshot()`: the one code path behind the command line and the Python API."""
 
+import dataclasses
 import logging
 import os
+import socket
+import time
 
 import transformers
 
+from . import signals
 from .data import calibration_samples
 from .default_model import default_model
 from .dist import World
-from .errors import UsageError
+from .errors import StaleEpochError, UsageError
 from .evaluate import perplexity
 from .export import export
 from .job import Job, job_record
 from .model import SourceModel
 from .plan import describe, layer_groups, make_plan
 from .recipe import Recipe, check_divisible
+from .recipe_loader import load_recipe
 from .runner import Runner
 from .state import StateStore
 
@@ -23,45 +28,64 @@ log = logging.getLogger("elastic_oneshot")
 
 def oneshot(model: str | None = None, dataset: str = "builtin", scheme: str = "W4A16",
             num_calibration_samples: int = 128, max_seq_length: int = 512, output_dir: str | None = None,
-            state_dir: str | None = None, recipe: Recipe | None = None, seed: int = 0,
+            state_dir: str | None = None, recipe=None, seed: int = 0,
             text_column: str = "text", group_size: int | None = None, symmetric: bool = True,
             actorder: str | None = "static", dampening_frac: float = 0.01, block_size: int = 128,
-            ignore: tuple[str, ...] = (), restart: bool = False, trust_remote_code: bool = False,
-            chunk_size: int = 8, eval_samples: int = 0, collective_timeout: float = 60.0) -> str:
+            ignore: tuple[str, ...] = (), restart: bool = False, trust_remote_code_model: bool = False,
+            chunk_size: int = 8, eval_samples: int = 0, collective_timeout: float = 60.0,
+            moe_calibrate_all_experts: bool = True, coordinator: str | None = None,
+            attention: str = "eager") -> str:
     """Compress `model` with GPTQ, resumably; return the output directory.
 
-    Arguments mirror llmcompressor's `oneshot` where they mean the same. `state_dir` holds the
+    Arguments mirror llmcompressor's `oneshot` where they mean the same. `recipe` is what llmcompressor
+    takes (a GPTQModifier, a list of modifiers, a YAML file or text; see recipe_loader) or a Recipe; without
+    it, `scheme` and the GPTQ arguments after `text_column` make one. `state_dir` holds the
     progress (default: `<output_dir>.state`); calling again with the same arguments resumes. Under
-    torchrun every rank calls this with the same arguments; rank 0 writes the checkpoint.
+    torchrun every rank calls this with the same arguments; rank 0 writes the checkpoint. `coordinator`
+    (etcd://HOST:PORT/PREFIX, see etcd_records) keeps the epochs and commits in etcd instead of the state directory.
     """
     world = World(timeout_s=collective_timeout)
     model = model or default_model()
-    if recipe is None:
-        recipe = Recipe(scheme=scheme, group_size=group_size, symmetric=symmetric, actorder=actorder,
-                        dampening_frac=dampening_frac, block_size=block_size,
-                        ignore=("lm_head", *[i for i in ignore if i != "lm_head"]))
+    options = Recipe(scheme=scheme, group_size=group_size, symmetric=symmetric, actorder=actorder,
+                     dampening_frac=dampening_frac, block_size=block_size,
+                     ignore=("lm_head", *[i for i in ignore if i != "lm_head"]))
+    if recipe is not None and options != Recipe():
+        raise UsageError("give either a recipe or GPTQ options (scheme, group size, asym, actorder, dampening, "
+                         "block size, ignore), not both")
+    recipe = options if recipe is None else load_recipe(recipe)
     if num_calibration_samples <= 0 or max_seq_length <= 1 or chunk_size <= 0:
         raise UsageError("--num-samples, --seq-len and --chunk-size must be positive")
     job = Job(model=os.path.abspath(model), dataset=os.path.abspath(dataset) if os.path.exists(dataset) else dataset,
               recipe=recipe,
               num_samples=num_calibration_samples, seq_len=max_seq_length, seed=seed,
-              text_column=text_column, chunk_size=chunk_size, trust_remote_code=trust_remote_code)
+              text_column=text_column, chunk_size=chunk_size, trust_remote_code=trust_remote_code_model,
+              moe_calibrate="all" if moe_calibrate_all_experts else "routed", attention=attention)
     output_dir = output_dir or f"{os.path.basename(job.model.rstrip('/'))}-{recipe.scheme}"
-    state = StateStore(state_dir or f"{output_dir.rstrip('/')}.state")
+    state = _open_state(state_dir or f"{output_dir.rstrip('/')}.state", coordinator)
+    job = dataclasses.replace(job, coordinator=getattr(state.records, "url", None))  # given, or job.json's
 
-    source = SourceModel(job.model, trust_remote_code)
+    source = SourceModel(job.model, job.trust_remote_code, job.attention)
     record = job_record(job, source.digest(), source.num_layers)
     world.agree("the job (model, dataset, recipe and sampling arguments)", record["fingerprint"])
+    world.agree("the coordinator", job.coordinator)
     runner = Runner(job, state, source, world)  # validates the recipe against the model first
     error = world.broadcast_object(_claim(state, record, job, restart) if world.rank == 0 else None)
     if error:
         raise UsageError(error)
     runner.tokens = state.tokens()
+    detach = _attach(state, world, source.num_layers)
+    fault = _record_faults(state, world, runner)
 
     if eval_samples and world.rank == 0:
         before = perplexity(job.model, dataset, eval_samples, job.seq_len, text_column)
-    runner.run()
+    try:
+        runner.run()
+    except StaleEpochError as e:
+        if world.rank == 0:
+            fault("stale", error=str(e))
+        raise
     world.close()
+    detach()
     if world.rank != 0:
         return output_dir
 
@@ -74,19 +98,56 @@ def oneshot(model: str | None = None, dataset: str = "builtin", scheme: str = "W
     return output_dir
 
 
+def _record_faults(state: StateStore, world: World, runner: Runner):
+    """Faults this process sees go to events.jsonl, history for `status`: a SIGTERM (a spot notice) and a
+    silent peer on any rank; returns the recorder for the others. Never raises: it runs on the way out."""
+    def fault(kind: str, **fields):
+        try:
+            state.append_event({"event": kind, "time": time.time(), "epoch": runner.epoch, "rank": world.rank,
+                                "host": socket.gethostname(), **fields})
+        except Exception as e:  # a full or unreachable disk must not stop the way out
+            log.warning("could not record the %s event: %s", kind, e)
+
+    signals.on_request(lambda: fault("sigterm"))
+    world.on_lost = lambda reason: fault("liveness", reason=reason)
+    return fault
+
+
 def _claim(state: StateStore, record: dict, job: Job, restart: bool) -> str | None:
     """Rank 0: resume the state, or start the job there with freshly drawn calibration samples (which
     also surfaces dataset errors before any foreign state is touched). Errors travel to every rank as text."""
     try:
         if not restart and state.holds(record):
             log.info("state %s belongs to this job: resuming", state.root)
+            getattr(state.records, "adopt", lambda *_: None)(record, state.root)
+            if state.job()["job"].get("coordinator") != record["job"]["coordinator"]:
+                state.write_json("job.json", {**state.job(), "job": record["job"]})  # where readers find it
             return None
         tokenizer = transformers.AutoTokenizer.from_pretrained(job.model, trust_remote_code=job.trust_remote_code)
         tokens = calibration_samples(job.dataset, tokenizer, job.num_samples, job.seq_len, job.seed, job.text_column)
         state.claim(record, tokens, restart=restart)
+        getattr(state.records, "claim", lambda *_: None)(record, state.root)
     except UsageError as e:
         return str(e)
     return None
+
+
+def _open_state(root: str, coordinator: str | None) -> StateStore:
+    """The state directory; its records in etcd when `coordinator` is given or job.json records one."""
+    if not coordinator:
+        return StateStore(root)
+    from .etcd_records import EtcdRecords
+
+    return StateStore(root, records=EtcdRecords.from_url(coordinator))
+
+
+def _attach(state: StateStore, world: World, layers: int):
+    """Every rank holds a lease on etcd-held records (see EtcdRecords.attach); returns how to let it go."""
+    attach = getattr(state.records, "attach", None)
+    if attach is None:
+        return lambda: None
+    attach(world.rank, world.size, layers)
+    return state.records.detach
 
 
 def plan(model: str, world_size: int, recipe: Recipe = Recipe(), layers: int | None = None) -> list[str]:

@@ -17,6 +17,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--dataset", default="builtin",
                      help="builtin, a .jsonl/.json/.txt/.parquet file, a save_to_disk directory, or a hub name")
     run.add_argument("--text-column", default="text")
+    run.add_argument("--recipe", help="llmcompressor recipe: a YAML file (or text) with one GPTQModifier; "
+                     "replaces --scheme and the GPTQ options below")
     run.add_argument("--scheme", default="W4A16", choices=["W4A16", "W8A16"])
     run.add_argument("--num-samples", type=int, default=128)
     run.add_argument("--seq-len", type=int, default=512)
@@ -29,6 +31,10 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--ignore", action="append", default=[],
                      help="module name or re:pattern to leave unquantized (repeatable; lm_head always)")
     run.add_argument("--chunk-size", type=int, default=8, help="calibration samples per chunk file")
+    run.add_argument("--attention", default="eager", choices=["eager", "sdpa"],
+                     help="eager reproduces llmcompressor's numerics; sdpa is faster, equal to the last bits")
+    run.add_argument("--moe-calibrate", default="all", choices=["all", "routed"],
+                     help="MoE: every expert calibrates on every token (all), or only on its routed tokens")
     run.add_argument("--state", help="state directory (default: OUTPUT.state)")
     run.add_argument("--output", help="output directory (default: MODEL-SCHEME)")
     run.add_argument("--restart", action="store_true", help="discard a state directory of another job")
@@ -37,6 +43,15 @@ def _parser() -> argparse.ArgumentParser:
                      help="print perplexity on this many held-out samples before and after")
     run.add_argument("--collective-timeout", type=float, default=60.0,
                      help="seconds before a collective gives up on a silent peer (under torchrun)")
+    run.add_argument("--coordinator", metavar="URL",
+                     help="keep epochs and commits in etcd: etcd://HOST:PORT/PREFIX[?cacert=&cert=&key=&user="
+                          "&password=] (see elastic_oneshot/etcd_records.py); files stay in --state")
+
+    st = sub.add_parser("status", help="progress, ETA, world sizes, restarts and time lost, from a state directory")
+    st.add_argument("--state", required=True)
+    st.add_argument("--json", action="store_true", help="the same facts as JSON (one line per refresh)")
+    st.add_argument("--plot", metavar="PNG", help="also draw layer commits over time to this PNG")
+    st.add_argument("--watch", action="store_true", help="refresh until every layer is committed")
 
     export = sub.add_parser("export", help="write the checkpoint of a finished state")
     export.add_argument("--state", required=True)
@@ -77,8 +92,10 @@ def main(argv=None) -> int:
                     actorder=None if args.actorder == "none" else args.actorder,
                     dampening_frac=args.dampening_frac, block_size=args.block_size,
                     ignore=tuple(args.ignore), restart=args.restart,
-                    trust_remote_code=args.trust_remote_code, chunk_size=args.chunk_size,
-                    eval_samples=args.eval_samples, collective_timeout=args.collective_timeout)
+                    trust_remote_code_model=args.trust_remote_code, chunk_size=args.chunk_size,
+                    moe_calibrate_all_experts=args.moe_calibrate == "all", attention=args.attention,
+                    eval_samples=args.eval_samples, collective_timeout=args.collective_timeout,
+                    recipe=args.recipe, coordinator=args.coordinator)
         elif args.command == "export":
             from .export import export
             from .state import StateStore
@@ -90,6 +107,10 @@ def main(argv=None) -> int:
 
             recipe = Recipe(scheme=args.scheme, group_size=args.group_size, ignore=("lm_head", *args.ignore))
             print("\n".join(plan(args.model, args.world_size, recipe, args.layers)))
+        elif args.command == "status":
+            from .status import show
+
+            show(args.state, as_json=args.json, plot=args.plot, watch=args.watch)
         elif args.command == "eval":
             from .evaluate import perplexity
 

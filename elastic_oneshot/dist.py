@@ -20,6 +20,7 @@ log = logging.getLogger("elastic_oneshot")
 class World:
     def __init__(self, timeout_s: float = 120.0):
         self.size = int(os.environ.get("WORLD_SIZE", "1"))
+        self.on_lost = None  # called with the reason before a liveness failure ends the process
         self.rank = int(os.environ.get("RANK", "0"))
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.device = torch.device("cpu")
@@ -58,7 +59,11 @@ class World:
             if self._stop.is_set():
                 return
             log.error("liveness: %s; leaving so that the job can go on without it", e)
-            os._exit(1)
+            try:
+                if self.on_lost:
+                    self.on_lost(str(e))
+            finally:
+                os._exit(1)
 
     @property
     def distributed(self) -> bool:

@@ -20,7 +20,7 @@ def export(state: StateStore, output: str, source: SourceModel | None = None) ->
     """Write the checkpoint to `output` (replacing it); only a finished state can be exported."""
     record = state.job()
     job = Job.from_dict(record["job"])
-    source = source or SourceModel(job.model, job.trust_remote_code)
+    source = source or SourceModel(job.model, job.trust_remote_code, job.attention)
     if source.digest() != record["identity"]["model"]:
         raise UsageError(f"model {job.model} has changed since the state was created")
 

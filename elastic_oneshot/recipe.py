@@ -11,11 +11,12 @@ from compressed_tensors.quantization import (
     QuantizationStatus,
     preset_name_to_scheme,
 )
+from compressed_tensors.quantization.quant_config import get_vllm_module_type
 from compressed_tensors.utils import match_named_modules
 
 from .errors import UsageError
 
-PRESETS = ("W4A16", "W8A16")
+PRESETS = tuple(f"W{bits}A16" for bits in range(2, 9))  # compressed-tensors' int presets: symmetric, group 128
 ACTORDERS = {"static": "static", "weight": "static", "none": None}
 
 
@@ -70,13 +71,16 @@ class Recipe:
         return [name for name, _ in match_named_modules(model, list(self.targets), list(self.ignore))]
 
     def quantization_config(self, model) -> QuantizationConfig:
-        """The config the peer writes: one group, and every unquantized target listed as ignored."""
+        """The config the peer writes: one group, and as ignored every unquantized module of a quantized
+        type as vLLM counts types (MoE routers count as Linear)."""
         quantized = set(self.quantized_modules(model))
-        every_target = [name for name, _ in match_named_modules(model, list(self.targets), [])]
+        modules = dict(model.named_modules())
+        types = {get_vllm_module_type(type(modules[n]).__name__) for n in quantized}
+        ignore = [name for name, m in modules.items()
+                  if name and name not in quantized and get_vllm_module_type(type(m).__name__) in types]
         return QuantizationConfig(
             config_groups={"group_0": self.quant_scheme}, format="pack-quantized",
-            quantization_status=QuantizationStatus.COMPRESSED,
-            ignore=[name for name in every_target if name not in quantized])
+            quantization_status=QuantizationStatus.COMPRESSED, ignore=ignore)
 
 
 def check_divisible(recipe: Recipe, shapes: dict[str, tuple[int, int]]):

@@ -5,9 +5,8 @@
 # losing that node ends the job).
 #   STORE=head:29400 JOB_ID=qwen3 MIN=1 MAX=4 launch/c10d.sh --model /models/x --state /shared/x.state --output /shared/x-w4a16
 set -euo pipefail
+: "${STORE:?set STORE=host:port}" "${JOB_ID:?set JOB_ID, the same on every node}" "${MIN:=1}" "${MAX:=4}"
 source "$(dirname "$0")/env.sh"
-: "${STORE:?set STORE=host:port}" "${MIN:=1}" "${MAX:=4}" "${NPROC:=$(nvidia-smi -L 2>/dev/null | wc -l || echo 1)}"
-[ "$NPROC" -gt 0 ] || NPROC=1
 if [ "${IS_HOST:-0}" = 1 ]; then host_conf="is_host=true"; else host_conf="is_host=false"; fi
 exec torchrun --nnodes="$MIN:$MAX" --nproc-per-node="$NPROC" --max-restarts="$MAX_RESTARTS" \
     --rdzv-backend=c10d --rdzv-endpoint="$STORE" --rdzv-id="$JOB_ID" --rdzv-conf="$host_conf,$RDZV_CONF" \

@@ -2,12 +2,17 @@
 
 Each node is a torchrun agent with its worker, in its own session (so a whole node can be killed,
 frozen or preempted). Faults: kill -9 a worker; kill a whole node; SIGSTOP then SIGCONT a node;
-SIGTERM a node (spot notice); add a node; corrupt or truncate a state file. At the end it checks that
+SIGTERM a node (spot notice); add a node; corrupt or truncate a state file; with `--backend etcd3` and the
+harness's own etcd, kill -9 etcd and restart it on the same data after a pause. At the end it checks that
 every layer was committed at most once per epoch, that progress never went backwards, and that the
 checkpoint equals an uninterrupted run's (byte-identical when the world size never changed, else at
 least 99.9% of int codes and perplexity within 0.1%), then prints figures per fault kind.
 
     python launch/chaos.py --model DIR --nodes 2 --max-nodes 3 --faults 10 --seed 0 --report -- --num-samples 48
+    python launch/chaos.py --model DIR --backend etcd3 --coordinator --kinds restart_etcd,kill_node,add_node ...
+
+With `--backend etcd3` and no `--endpoint`, it starts its own etcd on 127.0.0.1 (data in a temp dir, stopped by PID
+at the end); `--coordinator` (no URL: that etcd) keeps the job's epochs and commits in etcd too.
 """
 
 import argparse
@@ -27,7 +32,8 @@ import time
 import psutil
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-KINDS = ("kill_worker", "kill_node", "stop_node", "term_node", "add_node", "corrupt_file")
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))  # etcd_server: the tests' throwaway etcd
+KINDS = ("kill_worker", "kill_node", "stop_node", "term_node", "add_node", "corrupt_file", "restart_etcd")
 
 
 def free_port() -> int:
@@ -69,22 +75,35 @@ class Node:
         return found
 
     def signal_all(self, sig):
+        workers = list(self.workers().values())  # torchrun starts them in sessions of their own
         try:
             os.killpg(self.proc.pid, sig)
         except ProcessLookupError:
             pass
+        for worker in workers:
+            try:
+                worker.send_signal(sig)
+            except psutil.Error:
+                pass
 
 
 class Cluster:
     """Nodes sharing one rendezvous (a standalone c10d store, or etcd) and one state directory."""
 
     def __init__(self, workdir: str, model: str, job_args: list[str], max_nodes: int,
-                 backend: str = "c10d", endpoint: str | None = None, collective_timeout: float = 10.0):
+                 backend: str = "c10d", endpoint: str | None = None, collective_timeout: float = 10.0,
+                 coordinator: str | None = None, etcd_pause: float = 2.0):
         self.workdir, self.max_nodes, self.backend = workdir, max_nodes, backend
         self.state, self.output = os.path.join(workdir, "state"), os.path.join(workdir, "out")
         os.makedirs(workdir, exist_ok=True)
-        self.store = None
-        if endpoint is None:
+        self.store = self.etcd = None
+        self.etcd_pause = etcd_pause
+        if endpoint is None and backend == "etcd3":
+            from etcd_server import EtcdServer
+
+            self.etcd = EtcdServer().start()
+            endpoint = self.etcd.endpoint
+        elif endpoint is None:
             port = free_port()
             self.store = subprocess.Popen([sys.executable, os.path.join(HERE, "store.py"), "--host", "127.0.0.1",
                                            "--port", str(port)], stdout=subprocess.DEVNULL)
@@ -99,6 +118,12 @@ class Cluster:
                     f"--rdzv-conf={conf}", "-m", "elastic_oneshot", "run", "--model", model,
                     "--state", self.state, "--output", self.output,
                     "--collective-timeout", str(collective_timeout), *job_args]
+        if coordinator == "auto":
+            if backend != "etcd3":
+                raise SystemExit("--coordinator without a URL uses the rendezvous etcd: add --backend etcd3")
+            coordinator = f"etcd://{endpoint}/elastic-oneshot-chaos/{int(time.time())}"
+        if coordinator:
+            self.cmd += ["--coordinator", coordinator]
         self.nodes: list[Node] = []
 
     def add_node(self) -> Node:
@@ -159,12 +184,14 @@ class Cluster:
     def rank0(self) -> Node | None:
         return next((n for n in self.live() if 0 in n.workers()), None)
 
-    def close(self):
+    def close(self, etcd: bool = True):
         for node in self.nodes:
             node.signal_all(signal.SIGCONT)
             node.signal_all(signal.SIGKILL)
         if self.store:
             self.store.kill()
+        if self.etcd and etcd:
+            self.etcd.close()  # SIGKILL by PID, then its temp dir goes
 
 
 # -- faults -----------------------------------------------------------------------------------------
@@ -196,6 +223,11 @@ def inject(cluster: Cluster, kind: str, rng: random.Random, stop_s: float) -> st
         return cluster.add_node().name
     if kind == "corrupt_file":
         return corrupt(cluster.state, rng)
+    if kind == "restart_etcd":
+        cluster.etcd.kill()
+        time.sleep(cluster.etcd_pause)
+        cluster.etcd.start()
+        return "etcd"
     raise ValueError(kind)
 
 
@@ -231,6 +263,8 @@ def feasible(cluster: Cluster, kinds) -> list[str]:
             continue
         if kind == "kill_worker" and n < 1:
             continue
+        if kind == "restart_etcd" and cluster.etcd is None:
+            continue  # only the etcd this harness started
         ok.append(kind)
     return ok
 
@@ -251,8 +285,14 @@ def check_invariants(cluster: Cluster, corrupted_layers: set[int], reference: st
             if key in seen:
                 failures.append(f"layer {e['layer']} committed twice in epoch {e['epoch']}")
             seen.add(key)
+    sys.path.insert(0, os.path.dirname(HERE))
+    from elastic_oneshot.state import StateStore
+
+    store = StateStore(cluster.state)  # its records in etcd when job.json names a coordinator
     fences = []
-    for name in sorted(os.listdir(os.path.join(cluster.state, "epochs"))):
+    if hasattr(store.records, "fence"):
+        fences = [store.records.fence(e) for e in store.records.epochs()]
+    for name in [] if fences else sorted(os.listdir(os.path.join(cluster.state, "epochs"))):
         try:
             fences.append(read_body(os.path.join(cluster.state, "epochs", name)))
         except (ValueError, KeyError):
@@ -261,10 +301,6 @@ def check_invariants(cluster: Cluster, corrupted_layers: set[int], reference: st
         lost = set(map(int, a["committed"])) - set(map(int, b["committed"])) - corrupted_layers
         if lost:
             failures.append(f"progress went backwards from epoch {a['epoch']} to {b['epoch']}: layers {sorted(lost)}")
-    sys.path.insert(0, os.path.dirname(HERE))
-    from elastic_oneshot.state import StateStore
-
-    store = StateStore(cluster.state)
     committed = store.records.committed()
     layers = store.job()["num_layers"]
     if sorted(committed) != list(range(layers)):
@@ -315,6 +351,11 @@ def figures(faults: list[dict], events: list[dict]) -> list[dict]:
     commits = {(e["epoch"], e["layer"]) for e in events if e["event"] == "commit"}
     for f in faults:
         epoch = max((e["epoch"] for e in events if e["event"] == "start" and e["time"] <= f["time"]), default=0)
+        if f["kind"] == "restart_etcd":  # from etcd back up to the next commit; lost: the workers restarted
+            after = [e for e in events if e["event"] == "commit" and e["time"] >= f["time"]]
+            f["recovery_s"] = after[0]["time"] - f["time"] if after else None
+            f["lost_layers"] = int(bool(after) and after[0]["epoch"] > epoch)
+            continue
         after = [e for e in starts if e["epoch"] > epoch and e["time"] >= f["time"]]
         f["recovery_s"] = after[0]["time"] - f["time"] if after and f["kind"] != "corrupt_file" else None
         in_flight = [e for e in starts if e["epoch"] == epoch and e["time"] <= f["time"]]
@@ -357,7 +398,10 @@ def main(argv=None) -> int:
     p.add_argument("--kinds", default=",".join(KINDS))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--backend", default="c10d", choices=["c10d", "etcd3"])
-    p.add_argument("--endpoint", help="rendezvous endpoint (default: start a standalone c10d store)")
+    p.add_argument("--endpoint", help="rendezvous endpoint (default: start a standalone c10d store, or an etcd)")
+    p.add_argument("--coordinator", nargs="?", const="auto",
+                   help="keep the job state in etcd: a URL, or none for the etcd of --backend etcd3")
+    p.add_argument("--etcd-pause", type=float, default=2.0, help="seconds etcd stays down in restart_etcd")
     p.add_argument("--collective-timeout", type=float, default=10.0)
     p.add_argument("--report", action="store_true", help="print the median time from fault to recovery")
     p.add_argument("job", nargs="*", help="arguments for `elastic-oneshot run` (after --)")
@@ -369,7 +413,8 @@ def main(argv=None) -> int:
     os.makedirs(a.workdir, exist_ok=True)
     reference = reference_run(a.model, a.job, a.nodes, a.workdir)
 
-    cluster = Cluster(a.workdir, a.model, a.job, a.max_nodes, a.backend, a.endpoint, a.collective_timeout)
+    cluster = Cluster(a.workdir, a.model, a.job, a.max_nodes, a.backend, a.endpoint, a.collective_timeout,
+                      a.coordinator, a.etcd_pause)
     faults, corrupted = [], set()
     try:
         for _ in range(a.nodes):
@@ -388,18 +433,21 @@ def main(argv=None) -> int:
             if not cluster.live() and not any(n.stopped for n in cluster.nodes):
                 cluster.add_node()
             # Work again after this fault, in the new membership unless the fault leaves it as it is.
-            restarts = kind != "corrupt_file"
+            restarts = kind not in ("corrupt_file", "restart_etcd")  # etcd coming back restarts nothing
             cluster.wait_progress(cluster.epoch() if restarts else -1, faults[-1]["time"])
         if not cluster.live():
             cluster.add_node()
         finished = cluster.wait_done()
+    finally:
+        cluster.close(etcd=False)  # the checks may read the job state from it
+    try:
+        failures = check_invariants(cluster, corrupted, reference, a.nodes) if finished else None
     finally:
         cluster.close()
     if not finished:
         print("the job did not finish")
         return 1
     events = cluster.events()
-    failures = check_invariants(cluster, corrupted, reference, a.nodes)
     print(table(figures(faults, events), events))
     rec = [f["recovery_s"] for f in faults if f["recovery_s"] is not None]
     if a.report and rec:

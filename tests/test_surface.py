@@ -1,0 +1,210 @@
+"""The user's surface: the API and the CLI, llmcompressor recipes, the progress bar, and `status` of a real
+interrupted job."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import matplotlib.image
+import pytest
+import torch
+
+from conftest import one_thread_env, run_cli, torchrun_cmd, tree_digest
+from elastic_oneshot import oneshot
+from elastic_oneshot.errors import UsageError
+from elastic_oneshot.recipe import Recipe
+from elastic_oneshot.recipe_loader import load_recipe
+from elastic_oneshot.status import render, report
+from tiny import make_model
+
+JOB = ["--num-samples", 16, "--seq-len", 64, "--chunk-size", 4]
+API_JOB = dict(num_calibration_samples=16, max_seq_length=64, chunk_size=4)
+GROUP_64 = {"group_0": {"targets": ["Linear"], "weights": {
+    "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 64}}}
+# As llmcompressor's examples write W4A16 GPTQ recipes (e.g. tests/e2e/recipes/actorder/*.yaml there).
+YAML_GROUP_64 = """\
+quant_stage:
+  quant_modifiers:
+    GPTQModifier:
+      ignore: ["lm_head"]
+      config_groups:
+        group_0:
+          weights:
+            num_bits: 4
+            type: "int"
+            symmetric: true
+            strategy: "group"
+            group_size: 64
+          targets: ["Linear"]
+"""
+
+
+def stage(modifiers: str) -> str:
+    return "quant_stage:\n  quant_modifiers:\n" + "".join(f"    {line}\n" for line in modifiers.splitlines())
+
+
+def same_threads_env() -> dict:
+    """A CLI run bitwise equal to this process's runs: the same BLAS thread count."""
+    return {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
+
+
+def test_api_cli_and_recipes_make_identical_checkpoints(tiny_llama, tmp_path):
+    from llmcompressor.modifiers.gptq import GPTQModifier
+
+    reference = tree_digest(oneshot(model=tiny_llama, group_size=64, output_dir=str(tmp_path / "api"), **API_JOB))
+    cli = run_cli("run", "--model", tiny_llama, "--group-size", 64, "--output", tmp_path / "cli", *JOB,
+                  env=same_threads_env())
+    assert re.search(r"layers: 100%.*4/4", cli.stderr), cli.stderr[-2000:]  # the progress bar, on rank 0
+    (tmp_path / "w4a16.yaml").write_text(YAML_GROUP_64)
+    run_cli("run", "--model", tiny_llama, "--recipe", tmp_path / "w4a16.yaml", "--output", tmp_path / "yaml", *JOB,
+            env=same_threads_env())
+    modifier = GPTQModifier(targets="Linear", config_groups=GROUP_64, ignore=["lm_head"])
+    oneshot(model=tiny_llama, recipe=modifier, output_dir=str(tmp_path / "object"), **API_JOB)
+    for name in ("cli", "yaml", "object"):
+        assert tree_digest(tmp_path / name) == reference, name
+
+
+def test_recipe_spellings_of_the_same_job():
+    from llmcompressor.modifiers.gptq import GPTQModifier
+
+    flags = Recipe(group_size=64)
+    assert load_recipe(YAML_GROUP_64) == flags
+    assert load_recipe([GPTQModifier(config_groups=GROUP_64, ignore=["lm_head"], actorder="weight")]) == flags
+    preset = stage("GPTQModifier: {scheme: W4A16, targets: Linear, ignore: [lm_head]}")
+    assert load_recipe(preset) == Recipe()  # what the flags' defaults make: the same job fingerprint
+    channel = stage("GPTQModifier:\n  actorder: null\n  dampening_frac: 0.05\n  config_groups: {g: {targets: [Linear], "
+                    "weights: {num_bits: 3, type: int, symmetric: false, strategy: channel}}}")
+    assert load_recipe(channel) == Recipe(scheme="W3A16", group_size=-1, symmetric=False, actorder=None,
+                                          dampening_frac=0.05, ignore=())
+    assert load_recipe(channel).weights.num_bits == 3
+
+
+@pytest.mark.parametrize("modifiers, message", [
+    ("GPTQModifier: {scheme: W8A8}", "input_activations are not supported"),
+    ("GPTQModifier: {scheme: FP8}", "not supported"),
+    ("GPTQModifier: {config_groups: {g: {targets: [Linear], weights: {num_bits: 8, type: float}}}}",
+     "float weights are not supported"),
+    ("GPTQModifier: {scheme: W4A16, actorder: group}", "actorder 'group' is not supported"),
+    ("GPTQModifier: {scheme: W4A16, targets: ['re:.*mlp.*']}", "targets ['re:.*mlp.*'] are not supported"),
+    ("GPTQModifier: {config_groups: {g: {targets: [Linear], weights: {num_bits: 4, strategy: tensor}}}}",
+     "strategy 'tensor' is not supported"),
+    ("GPTQModifier: {scheme: W4A16, kv_cache_scheme: {num_bits: 8}}", "kv_cache_scheme is not supported"),
+    ("GPTQModifier: {scheme: W4A16, sequential_update: true}", "'sequential_update' is not supported"),
+    ("QuantizationModifier: {scheme: W4A16}", "QuantizationModifier is not supported: elastic-oneshot runs GPTQ only"),
+])
+def test_unsupported_settings_are_refused_in_one_line(modifiers, message):
+    with pytest.raises(UsageError, match=re.escape(message)) as e:
+        load_recipe(stage(modifiers))
+    assert "\n" not in str(e.value)
+
+
+def test_unsupported_modifier_is_refused_by_name(tiny_llama, tmp_path):
+    from llmcompressor.modifiers.gptq import GPTQModifier
+    from llmcompressor.modifiers.transform.smoothquant import SmoothQuantModifier
+
+    recipe = tmp_path / "w8a8.yaml"
+    recipe.write_text(stage("SmoothQuantModifier: {smoothing_strength: 0.8}\nGPTQModifier: {scheme: W8A8}"))
+    proc = run_cli("run", "--model", tiny_llama, "--recipe", recipe, "--output", tmp_path / "out", *JOB, check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == ("elastic-oneshot: error: SmoothQuantModifier is not supported: "
+                                   "elastic-oneshot runs GPTQ only")
+    assert not (tmp_path / "out.state").exists()
+    with pytest.raises(UsageError, match="SmoothQuantModifier is not supported"):
+        oneshot(model=tiny_llama, recipe=[SmoothQuantModifier(smoothing_strength=0.8), GPTQModifier(scheme="W4A16")],
+                output_dir=str(tmp_path / "out"), **API_JOB)
+    with pytest.raises(UsageError, match="not both"):
+        oneshot(model=tiny_llama, recipe=YAML_GROUP_64, group_size=64, output_dir=str(tmp_path / "out"), **API_JOB)
+
+
+# -- status of a real job: two ranks under torchrun, preempted (SIGTERM), finished by one process ----------------------
+STATUS_JOB = ["--num-samples", 32, "--seq-len", 128, "--chunk-size", 4, "--group-size", 64]
+
+
+@pytest.fixture(scope="module")
+def llama8(tmp_path_factory):
+    return make_model(str(tmp_path_factory.mktemp("models") / "llama8"), "llama", num_hidden_layers=8)
+
+
+def text_agrees_with_json(text: str, r: dict):
+    done, total = map(int, re.search(r"layers: (\d+)/(\d+) committed", text).groups())
+    assert (done, total) == (r["layers_done"], r["layers_total"])
+    assert ("(complete)" in text) == r["complete"]
+    epochs, restarts = map(int, re.search(r"epochs: (\d+) \((\d+) restarts\)", text).groups())
+    assert (epochs, restarts) == (len(r["epochs"]), r["restarts"])
+    sizes = re.search(r"world sizes ([\d >-]+)", text).group(1)
+    assert [int(s) for s in sizes.split("->")] == r["world_sizes"]
+    assert [tuple(map(int, m)) for m in re.findall(r"epoch (\d+) .* world size (\d+) +started with (\d+) committed, "
+                                                  r"committed (\d+)", text)] == \
+        [(e["epoch"], e["world_size"], e["committed_at_start"], e["commits"]) for e in r["epochs"]]
+    lost, spans = re.search(r"time lost to failures: ([\d.]+) s in (\d+) spans", text).groups()
+    assert abs(float(lost) - r["lost_s"]) < 0.05 and int(spans) == len(r["lost_spans"])
+    if r["eta_s"]:
+        h, m, s = re.search(r"ETA (?:(\d+)h )?(?:(\d+)m )?(\d+)s", text).groups()
+        assert abs(int(h or 0) * 3600 + int(m or 0) * 60 + int(s) - r["eta_s"]) <= 0.5
+    assert re.findall(r"fault: (\w+) .* on rank (\d+)", text) == [(f["event"], str(f["rank"])) for f in r["faults"]]
+
+
+def test_status_of_a_preempted_job_finished_at_another_world_size(llama8, tmp_path):
+    state, out = tmp_path / "state", tmp_path / "out"
+    args = ["run", "--model", llama8, "--state", state, "--output", out, *STATUS_JOB]
+    with open(tmp_path / "torchrun.log", "w") as log:
+        launcher = subprocess.Popen(torchrun_cmd(2, *args), stdout=log, stderr=subprocess.STDOUT,
+                                    env=one_thread_env())
+        while not ((state / "commits").is_dir() and len(os.listdir(state / "commits")) >= 2):
+            assert launcher.poll() is None, (tmp_path / "torchrun.log").read_text()[-3000:]
+            time.sleep(0.05)
+        launcher.send_signal(signal.SIGTERM)  # a spot notice: torchrun passes it to the workers
+        assert launcher.wait(timeout=60) != 0
+
+    middle = report(str(state))
+    assert 2 <= middle["layers_done"] < 8 and not middle["complete"] and middle["eta_s"] > 0
+    assert middle["world_sizes"] == [2] and middle["restarts"] == 0
+    assert sorted(f["rank"] for f in middle["faults"] if f["event"] == "sigterm") == [0, 1]
+    text_agrees_with_json(render(middle), middle)
+
+    watch = subprocess.Popen([sys.executable, "-m", "elastic_oneshot", "status", "--state", state, "--json",
+                              "--watch"], stdout=subprocess.PIPE, text=True)
+    try:
+        run_cli(*args, env=one_thread_env())  # the rest, in one process
+        watched = [json.loads(line) for line in watch.communicate(timeout=30)[0].splitlines()]
+    finally:
+        watch.kill()
+    assert len(watched) >= 2 and not watched[0]["complete"] and watched[-1]["complete"]  # refreshed, then ended
+    assert watch.returncode == 0
+
+    text = run_cli("status", "--state", state).stdout
+    final = json.loads(run_cli("status", "--state", state, "--json", "--plot", tmp_path / "t.png").stdout)
+    text_agrees_with_json(text, final)
+    assert final["layers_done"] == 8 and final["complete"] and final["eta_s"] == 0
+    assert final["world_sizes"] == [2, 1] and final["restarts"] == 1 and final["redone_layers"] == 0
+    assert [e["committed_at_start"] for e in final["epochs"]] == [0, middle["layers_done"]]
+
+    events = [json.loads(line) for line in (state / "events.jsonl").read_text().splitlines()]
+    restart = next(e for e in events if e["event"] == "start" and e["epoch"] == 2)
+    last_commit = max(e["time"] for e in events if e["event"] == "commit" and e["epoch"] == 1)
+    resumed = min(e["time"] for e in events if e["event"] == "layer" and e["epoch"] == 2)
+    assert last_commit < restart["time"] < resumed
+    assert final["lost_spans"] == [[round(last_commit, 3), round(resumed, 3)]]
+    assert abs(final["lost_s"] - (resumed - last_commit)) < 0.01
+
+    png = (tmp_path / "t.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    assert matplotlib.image.imread(tmp_path / "t.png").shape[:2] == (450, 800)
+
+
+def test_status_reads_and_watches_the_etcd_coordinator(tiny_llama, tmp_path):
+    from etcd_server import EtcdServer
+
+    state = tmp_path / "state"
+    with EtcdServer() as etcd:
+        url = f"etcd://{etcd.endpoint}/jobs/status"
+        run_cli("run", "--model", tiny_llama, "--state", state, "--output", tmp_path / "out", "--group-size", 64,
+                *JOB, "--coordinator", url)
+        assert not (state / "commits").exists()  # the commits live in etcd
+        lines = run_cli("status", "--state", state, "--json", "--watch", timeout=60).stdout.splitlines()
+    r = json.loads(lines[-1])
+    assert r["coordinator"] == url and r["layers_done"] == r["layers_total"] == 4 and r["complete"]
