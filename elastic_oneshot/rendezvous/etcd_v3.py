@@ -76,16 +76,24 @@ class _Etcd:
     `call` retries with jittered exponential backoff for `retry_timeout` seconds. Only idempotent or
     compare-and-set requests may go through `call`; anything else uses `call_once`."""
 
-    def __init__(self, params: RendezvousParameters):
-        self.host, self.port = parse_rendezvous_endpoint(params.endpoint, default_port=2379)
-        cacert, cert, key = params.get("cacert"), params.get("cert"), params.get("key")
+    def __init__(self, host: str, port: int, *, cacert: str | None = None, cert: str | None = None,
+                 key: str | None = None, user: str | None = None, password: str | None = None,
+                 retry_timeout: float = 10, where: str = "--rdzv-conf"):
+        self.host, self.port = host, port
         if (cert or key) and not (cacert and cert and key):
-            raise ValueError("etcd3 rendezvous: TLS client auth needs all of cacert, cert and key in --rdzv-conf")
-        self._kwargs = dict(ca_cert=cacert, cert_cert=cert, cert_key=key, user=params.get("user"),
-                            password=params.get("password"), timeout=_RPC_TIMEOUT)
-        self.retry_timeout = params.get_as_int("retry_timeout", 10)
+            raise ValueError(f"etcd: TLS client auth needs all of cacert, cert and key in {where}")
+        self._kwargs = dict(ca_cert=cacert, cert_cert=cert, cert_key=key, user=user, password=password,
+                            timeout=_RPC_TIMEOUT)
+        self.retry_timeout = retry_timeout
         self._client: etcd3.Etcd3Client | None = None
         self._lock = threading.Lock()  # the keep-alive timer thread shares this client with the agent
+
+    @classmethod
+    def from_params(cls, params: RendezvousParameters) -> "_Etcd":
+        host, port = parse_rendezvous_endpoint(params.endpoint, default_port=2379)
+        return cls(host, port, cacert=params.get("cacert"), cert=params.get("cert"), key=params.get("key"),
+                   user=params.get("user"), password=params.get("password"),
+                   retry_timeout=params.get_as_int("retry_timeout", 10))
 
     def client(self) -> etcd3.Etcd3Client:
         with self._lock:
@@ -254,7 +262,7 @@ class EtcdV3Store(dist.Store):
 
 
 def create_backend(params: RendezvousParameters) -> tuple[EtcdV3RendezvousBackend, EtcdV3Store]:
-    etcd = _Etcd(params)
+    etcd = _Etcd.from_params(params)
     backend = EtcdV3RendezvousBackend(etcd, params.run_id)
     read_timeout = timedelta(seconds=params.get_as_int("read_timeout", 60))
     return backend, EtcdV3Store(etcd, backend.prefix + "store/", read_timeout)
