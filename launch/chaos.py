@@ -117,7 +117,7 @@ class Cluster:
                     f"--rdzv-backend={backend}", f"--rdzv-endpoint={endpoint}", "--rdzv-id=chaos",
                     f"--rdzv-conf={conf}", "-m", "elastic_oneshot", "run", "--model", model,
                     "--state", self.state, "--output", self.output,
-                    "--collective-timeout", str(collective_timeout), *job_args]
+                    "--collective-timeout", str(collective_timeout), *map(str, job_args)]
         if coordinator == "auto":
             if backend != "etcd3":
                 raise SystemExit("--coordinator without a URL uses the rendezvous etcd: add --backend etcd3")

@@ -1,0 +1,143 @@
+"""Elastic membership with real torchrun agents (one per simulated node) and a standalone c10d store:
+node loss, node join, a frozen node, a stale worker, and a chaos run."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import one_thread_env, run_cli, tree_digest
+from test_distributed import same_codes
+from tiny import make_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "launch"))
+from chaos import Cluster  # noqa: E402
+
+JOB = ["--num-samples", 48, "--seq-len", 256, "--group-size", 64, "--chunk-size", 8]
+TIMEOUT = 10  # --collective-timeout: the bound on noticing a frozen peer
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return make_model(str(tmp_path_factory.mktemp("models") / "llama12"), "llama", num_hidden_layers=12)
+
+
+@pytest.fixture(scope="module")
+def reference(model, tmp_path_factory):
+    out = tmp_path_factory.mktemp("reference") / "out"
+    run_cli("run", "--model", model, "--output", out, *JOB, env=one_thread_env())
+    return out
+
+
+@pytest.fixture
+def clusters():
+    """Clusters made in a test, closed (every node and the store killed) whatever happens."""
+    made = []
+
+    def make(*args, **kwargs):
+        made.append(Cluster(*args, **kwargs))
+        return made[-1]
+    yield make
+    for cluster in made:
+        cluster.close()
+
+
+def worlds(cluster: Cluster) -> list[int]:
+    return [e["world_size"] for e in cluster.events() if e["event"] == "start"]
+
+
+def finish(cluster: Cluster, reference):
+    assert cluster.wait_done(timeout=300), "the job did not finish"
+    same = same_codes(cluster.output, reference)
+    print(f"\nworld sizes {worlds(cluster)}; {same:.4%} of int codes identical to the uninterrupted run")
+    assert same >= 0.999
+
+
+def test_two_nodes_one_killed_finishes_at_one(model, reference, tmp_path, clusters):
+    cluster = clusters(str(tmp_path), model, JOB, max_nodes=2, collective_timeout=TIMEOUT)
+    nodes = [cluster.add_node(), cluster.add_node()]
+    cluster.wait_progress()
+    victim = next(n for n in nodes if 0 not in n.workers())
+    victim.signal_all(signal.SIGKILL)
+    finish(cluster, reference)
+    assert worlds(cluster)[0] == 2 and worlds(cluster)[-1] == 1
+
+
+def test_a_second_node_joins(model, reference, tmp_path, clusters):
+    cluster = clusters(str(tmp_path), model, JOB, max_nodes=2, collective_timeout=TIMEOUT)
+    cluster.add_node()
+    cluster.wait_progress()
+    cluster.add_node()
+    finish(cluster, reference)
+    assert worlds(cluster)[0] == 1 and 2 in worlds(cluster)
+
+
+def test_standalone_store_survives_losing_rank_0(model, reference, tmp_path, clusters):
+    cluster = clusters(str(tmp_path), model, JOB, max_nodes=2, collective_timeout=TIMEOUT)
+    cluster.add_node(), cluster.add_node()
+    cluster.wait_progress()
+    host = cluster.rank0()
+    assert host is not None
+    host.signal_all(signal.SIGKILL)  # the node whose agent hosted nothing: the store is standalone
+    finish(cluster, reference)
+    assert worlds(cluster)[-1] == 1
+
+
+def test_a_frozen_node_is_detected_and_left_behind(model, reference, tmp_path, clusters):
+    cluster = clusters(str(tmp_path), model, JOB, max_nodes=2, collective_timeout=TIMEOUT)
+    nodes = [cluster.add_node(), cluster.add_node()]
+    cluster.wait_progress()
+    frozen = nodes[1]
+    frozen.signal_all(signal.SIGSTOP)
+    frozen.stopped = True
+    t = time.time()
+    epoch = cluster.epoch()
+    cluster.wait_progress(after_epoch=epoch, timeout=120)
+    resumed = min(e["time"] for e in cluster.events() if e["event"] == "layer" and e["epoch"] > epoch)
+    print(f"\nfrozen node left behind; work resumed {resumed - t:.1f} s after the freeze "
+          f"(collective timeout {TIMEOUT} s)")
+    assert resumed - t < TIMEOUT + 20
+    finish(cluster, reference)  # at teardown, close() sends SIGCONT and SIGKILL to the frozen node
+    assert worlds(cluster)[-1] == 1
+
+
+def test_a_stale_worker_cannot_commit(model, tmp_path):
+    """A worker frozen mid-layer wakes after a newer epoch finished the job: its commit is refused and it
+    changes nothing."""
+    out, state = tmp_path / "out", tmp_path / "state"
+    args = ["-m", "elastic_oneshot", "run", "--model", model, "--output", out, "--state", state, *JOB]
+    stale = subprocess.Popen([sys.executable, *map(str, args)], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, env=one_thread_env())
+    commits = state / "commits"
+    while not (commits.is_dir() and len(os.listdir(commits)) >= 2):
+        assert stale.poll() is None
+        time.sleep(0.01)
+    stale.send_signal(signal.SIGSTOP)
+    run_cli(*args[2:], env=one_thread_env())  # a new epoch finishes the job
+    before = tree_digest(state), tree_digest(out)
+    stale.send_signal(signal.SIGCONT)
+    output = stale.communicate(timeout=120)[0]
+    print("\n" + [line for line in output.splitlines() if "fenced off" in line][0])
+    assert stale.returncode == 3
+    assert "epoch 1 is stale (epoch 2 has begun)" in output
+    after = tree_digest(state), tree_digest(out)
+    changed = [k for k, v in before[0].items() if k != "events.jsonl" and after[0].get(k) != v]
+    assert not changed, f"the stale worker changed or deleted {changed}"  # it may only add unused files
+    assert after[1] == before[1]
+
+
+def test_chaos_run_with_ten_faults(tmp_path):
+    model = make_model(str(tmp_path / "llama24"), "llama", num_hidden_layers=24)
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "chaos.py"), "--model", model,
+                           "--workdir", str(tmp_path / "chaos"), "--faults", "10", "--seed", "3",
+                           "--collective-timeout", str(TIMEOUT), "--report", "--", *map(str, JOB)],
+                          capture_output=True, text=True, timeout=1200)
+    print("\n" + proc.stdout[-2500:])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "10 faults, invariants hold" in proc.stdout
+    kinds = {line.split()[3] for line in proc.stdout.splitlines() if " fault " in line}
+    assert len(kinds) >= 4, kinds
