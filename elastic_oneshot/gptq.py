@@ -18,8 +18,8 @@ from compressed_tensors.quantization.utils import calculate_qparams
 DAMPING_RETRIES = 3  # each retry multiplies the damping fraction by 10
 
 
-def hessian_add(acc: torch.Tensor, x: torch.Tensor, seq_len: int) -> int:
-    """acc (fp64) += sum over the sequences in `x` of 2 X^T X; returns the number of sequences. `x` is
+def hessian_add(acc: torch.Tensor, x: torch.Tensor, seq_len: int):
+    """acc (fp64) += sum over the sequences in `x` of 2 X^T X (normalized later by the job's sample count). `x` is
     [batch, tokens, features], or [tokens, features] from modules that see tokens flattened (MoE
     experts): then whole sequences of `seq_len` tokens when it holds whole sequences, else one set.
 
@@ -37,7 +37,6 @@ def hessian_add(acc: torch.Tensor, x: torch.Tensor, seq_len: int) -> int:
         inp = math.sqrt(2) * seq.t().to(torch.float32)
         chunk += inp.matmul(inp.t())
     acc += chunk
-    return x.shape[0]
 
 
 def qparams(weight: torch.Tensor, args: QuantizationArgs) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,6 +28,7 @@ from .state import StateStore
 
 log = logging.getLogger("elastic_oneshot")
 
+
 class _Stop(Exception):
     """Raised by the last hooked module: the calibration pass needs no layer output."""
 
@@ -39,7 +40,6 @@ class Calibration:
         modules = dict(layer.named_modules())
         self.hessian = {g[0]: torch.zeros(modules[g[0]].in_features, modules[g[0]].in_features,
                                           dtype=torch.float64, device=device) for g in groups}
-        self.sequences = {g[0]: 0 for g in groups}
         self.seconds, self.seq_len = 0.0, seq_len
         self.order: list[str] = []
         self.last = None
@@ -52,7 +52,7 @@ class Calibration:
             x = args[0]
             if name == leader:
                 t = time.perf_counter()
-                self.sequences[leader] += gptq.hessian_add(self.hessian[leader], x, self.seq_len)
+                gptq.hessian_add(self.hessian[leader], x, self.seq_len)
                 self.seconds += time.perf_counter() - t
                 self._inputs[leader] = x
             elif self._inputs.get(leader) is not x:

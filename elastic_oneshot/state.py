@@ -5,7 +5,9 @@ Layout (docs/state-format.md is the specification):
     tokens.safetensors                the calibration samples, [num_samples, seq_len] int64
     epochs/EEEEE.json                 fence of epoch E: the commits valid when its workers started
     commits/LLLLL.eEEEEE.json         layer L's manifest from epoch E: written last; it is the commit
-    layers/LLLLL/eEEEEE.rR.safetensors          layer L's compressed tensors, by rank R of epoch E
+    layers/LLLLL/eEEEEE.rR.bBBBB.{safetensors,json}  solved groups of layer L (tensors, and the record
+                                      naming them), written by rank R of epoch E as soon as solved
+    layers/LLLLL/fence.eEEEEE.json    which older solved records epoch E reuses for layer L
     boundaries/LLLLL/eEEEEE/chunk-CCCCC.safetensors  inputs of layer L for sample chunk C
     events.jsonl                      history for people and `status` (never trusted for progress)
 

@@ -131,7 +131,7 @@ def test_a_stale_worker_cannot_commit(model, tmp_path):
 
 
 def test_chaos_run_with_ten_faults(tmp_path):
-    model = make_model(str(tmp_path / "llama24"), "llama", num_hidden_layers=24)
+    model = make_model(str(tmp_path / "llama40"), "llama", num_hidden_layers=40)
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "chaos.py"), "--model", model,
                            "--workdir", str(tmp_path / "chaos"), "--faults", "10", "--seed", "3",
                            "--collective-timeout", str(TIMEOUT), "--report", "--", *map(str, JOB)],
