@@ -32,8 +32,8 @@ def check_cost_model(model: CostModel):
         h = x.t() @ x / 2048
         w = torch.randn(rows, d) * 0.05
         t = time.perf_counter()
-        prep = gptq.prepare(h, "static")
-        gptq.solve(w, prep, args)
+        prep = gptq.prepare(h[None], "static")
+        gptq.solve(w[None], prep, args)
         measured = time.perf_counter() - t
         modeled = model.prep(d) + model.solve(rows, d)
         errors.append(abs(modeled - measured) / measured)

@@ -57,7 +57,7 @@ def peer_child(model: str, out: str, samples: int, seq_len: int, group_size: int
 def layer_flops(model: str, samples: int, seq_len: int) -> dict[str, float]:
     """FLOPs per decoder layer by phase, from the model's shapes (attention counted as causal)."""
     from elastic_oneshot.model import SourceModel
-    from elastic_oneshot.runner import input_groups
+    from elastic_oneshot.plan import input_groups
 
     source = SourceModel(model)
     c = source.config

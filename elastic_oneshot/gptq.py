@@ -19,24 +19,22 @@ DAMPING_RETRIES = 3  # each retry multiplies the damping fraction by 10
 
 
 def hessian_add(acc: torch.Tensor, x: torch.Tensor, seq_len: int):
-    """acc (fp64) += sum over the sequences in `x` of 2 X^T X (normalized later by the job's sample count). `x` is
-    [batch, tokens, features], or [tokens, features] from modules that see tokens flattened (MoE
+    """acc (fp32) += sum over the sequences in `x` of 2 X^T X (normalized later by the sample count). `x`
+    is [batch, tokens, features], or [tokens, features] from modules that see tokens flattened (MoE
     experts): then whole sequences of `seq_len` tokens when it holds whole sequences, else one set.
 
-    Within a call (one chunk) the terms are computed and summed exactly as the peer does (fp32, scaled
-    by sqrt 2, same operand layout, sequentially): GPTQ's rounding decisions are chaotic in the
-    Hessian's last bits, and this keeps parity. Across chunks the sum is fp64, so the total hardly
+    The terms are computed and summed exactly as the peer does (fp32, scaled by sqrt 2, same operand
+    layout, one sequence after another): GPTQ's rounding decisions are chaotic in the Hessian's last
+    bits. The caller sums these fp32 partials per chunk into an fp64 total, so that the total hardly
     depends on how chunks are split across ranks.
     """
     if x.dim() > 2:
         x = x.reshape(-1, *x.shape[-2:])
     else:
         x = x.reshape(-1, seq_len, x.shape[-1]) if x.shape[0] % seq_len == 0 else x.unsqueeze(0)
-    chunk = torch.zeros(acc.shape, dtype=torch.float32, device=acc.device)
     for seq in x:
         inp = math.sqrt(2) * seq.t().to(torch.float32)
-        chunk += inp.matmul(inp.t())
-    acc += chunk
+        acc += inp.matmul(inp.t())
 
 
 def qparams(weight: torch.Tensor, args: QuantizationArgs) -> tuple[torch.Tensor, torch.Tensor]:

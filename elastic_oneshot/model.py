@@ -143,17 +143,24 @@ class Embedder:
         self.record: list = []
         shell.layers = torch.nn.ModuleList(_Catcher(layer, self.record) for layer in decoder.layers)
         shell.norm = torch.nn.Identity()
-        shell.embed_tokens = source.load(decoder.embed_tokens, f"{prefix}.embed_tokens.")
         shell.rotary_emb = type(decoder.rotary_emb)(config=source.config)
+        self._load = lambda: source.load(decoder.embed_tokens, f"{prefix}.embed_tokens.")
+        shell.embed_tokens = self._load()
         if any(t.is_meta for t in list(shell.parameters()) + list(shell.buffers())):
             raise UsageError(f"{type(decoder).__name__} has modules besides embeddings, rotary "
                              "embeddings, layers and norm: unsupported architecture")
         self.shell = shell.eval()
         self._kwargs: dict[int, list[dict]] = {}
 
+    def release(self):
+        """Drop the embedding table (vocab x hidden) once layer 0 is done; it is read again if needed."""
+        self.shell.embed_tokens = None
+
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Embedded hidden states for a batch of samples; caches the per-layer kwargs for its size."""
+        if self.shell.embed_tokens is None:
+            self.shell.embed_tokens = self._load()
         self.record.clear()
         self.shell(input_ids=input_ids, use_cache=False)
         hidden = self.record[0][0]

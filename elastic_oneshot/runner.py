@@ -34,12 +34,14 @@ class _Stop(Exception):
 
 
 class Calibration:
-    """Hooks that accumulate one Hessian per input group while the layer runs on calibration chunks."""
+    """Hooks that accumulate one Hessian per input group while the layer runs on calibration chunks:
+    in fp32 within a chunk, as the peer sums, then in fp64 across chunks (see gptq.hessian_add)."""
 
     def __init__(self, layer: torch.nn.Module, groups: list[list[str]], device, seq_len: int):
         modules = dict(layer.named_modules())
         self.hessian = {g[0]: torch.zeros(modules[g[0]].in_features, modules[g[0]].in_features,
                                           dtype=torch.float64, device=device) for g in groups}
+        self.chunk = {g: torch.zeros_like(h, dtype=torch.float32) for g, h in self.hessian.items()}
         self.seconds, self.seq_len = 0.0, seq_len
         self.order: list[str] = []
         self.last = None
@@ -52,7 +54,7 @@ class Calibration:
             x = args[0]
             if name == leader:
                 t = time.perf_counter()
-                gptq.hessian_add(self.hessian[leader], x, self.seq_len)
+                gptq.hessian_add(self.chunk[leader], x, self.seq_len)
                 self.seconds += time.perf_counter() - t
                 self._inputs[leader] = x
             elif self._inputs.get(leader) is not x:
@@ -74,9 +76,15 @@ class Calibration:
             # Stop early from now on only if every hooked module ran (routed experts may not).
             self.last = self.order[-1] if len(set(self.order)) == len(self._handles) else False
 
+    def end_chunk(self):
+        for leader, partial in self.chunk.items():
+            self.hessian[leader] += partial
+            partial.zero_()
+
     def remove(self):
         for h in self._handles:
             h.remove()
+        self.chunk.clear()
 
 
 def _output(y):
@@ -207,11 +215,16 @@ class Runner:
         return self.state.records.manifest(layer, self.committed[layer])
 
     # -- inputs -------------------------------------------------------------------------------------
-    def kwargs(self, layer: int, batch: int) -> dict:
-        if (layer, batch) not in self._kwargs:
-            self._kwargs[(layer, batch)] = _to(self.embedder.layer_kwargs(layer, batch, self.job.seq_len),
-                                               self.device)
-        return self._kwargs[(layer, batch)]
+    def kwargs(self, layer: int) -> dict:
+        """What the layer takes besides hidden states (position embeddings, mask), for one sample."""
+        if layer not in self._kwargs:
+            self._kwargs[layer] = _to(self.embedder.layer_kwargs(layer, 1, self.job.seq_len), self.device)
+        return self._kwargs[layer]
+
+    def forward(self, module, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """The layer on a chunk, one sample at a time, as the peer runs it: cache-friendly on CPU (a
+        batch's attention scores outgrow the cache) and the same bits in every pass and replay."""
+        return torch.cat([_output(module(sample, **self.kwargs(layer))) for sample in x.split(1)])
 
     @torch.inference_mode()  # also when called from the read-ahead thread
     def inputs(self, layer: int, chunk: int) -> torch.Tensor:
@@ -238,7 +251,7 @@ class Runner:
         if x is None:
             x = self.inputs(0, chunk)
         for index in range(start, layer):
-            x = _output(self.quantized_layer(index)(x, **self.kwargs(index, x.shape[0])))
+            x = self.forward(self.quantized_layer(index), index, x)
         rewritten = self.state.write_tensors(record["path"], {"hidden_states": x.cpu()})
         if rewritten["sha256"] != record["sha256"]:
             raise RuntimeError(f"recomputing {record['path']} from layers {start}..{layer - 1} did not "
@@ -315,7 +328,7 @@ class Runner:
 
         mine = [w for w in plan.work if w.rank == me]
         batches = _batches(mine, lambda w: (w.end - w.start, w.group.cols), lambda w: (w.end - w.start) * w.group.cols)
-        results, pending, solved = {}, [], {}
+        results, pending, tensors = {}, [], {}
         for w in plan.work:
             key = (w.group.name, w.start)
             if w.rank == me and key not in results:
@@ -324,10 +337,7 @@ class Runner:
                     [prepared[o.group.name] for o in batch]), args, self.job.recipe.block_size)
                 for i, o in enumerate(batch):
                     results[(o.group.name, o.start)] = (r.weight[i], r.scale[i], r.zero_point[i])
-                whole = [o.group for o in batch if not o.split]
-                if whole:
-                    solved[len(solved)] = self.io.submit(self._persist, layer, len(solved), whole, {
-                        g: results[(g.name, 0)] for g in whole})
+                self._persist(layer, [o.group for o in batch if not o.split], results, tensors)
             elif w.rank != me:
                 n, weight = w.end - w.start, modules[w.group.modules[0][0]].weight
                 ngroups = w.group.cols // args.group_size if args.group_size else 1
@@ -337,17 +347,14 @@ class Runner:
             pending += [self.world.broadcast(t, w.rank) for t in results[key]]
         _wait(pending)
 
-        split = [g for g in groups if owners[g.name] == me and any(w.group == g and w.split for w in plan.work)]
-        if split:
-            solved[len(solved)] = self.io.submit(self._persist, layer, len(solved), split, {
-                g: [torch.cat(parts) for parts in zip(*(results[(w.group.name, w.start)] for w in sorted(
-                    plan.work, key=lambda w: w.start) if w.group == g))] for g in split})
-        for f in solved.values():
-            f.result()
-        tensors = {}
-        for g in groups:
+        for g in groups:  # assemble row slices; persist the split groups this rank prepared
             parts = [results[(g.name, w.start)] for w in sorted(plan.work, key=lambda w: w.start) if w.group == g]
-            tensors.update(self._compress(layer, g, *(torch.cat(p) for p in zip(*parts))))
+            results[(g.name, 0)] = tuple(torch.cat(p) for p in zip(*parts))
+        self._persist(layer, [g for g in groups if owners[g.name] == me and g.name not in self._written], results,
+                      tensors)
+        for g in groups:
+            if g.name not in self._written:
+                tensors.update(self._compress(layer, g, *results[(g.name, 0)]))
         return tensors, notes
 
     def _compress(self, layer: int, group: Group, weight, scale, zero_point) -> dict:
@@ -361,12 +368,19 @@ class Runner:
             out.update({f"{self.prefix(layer)}{name}.{k}": v for k, v in compressed.items()})
         return out
 
-    def _persist(self, layer: int, index: int, groups: list[Group], results: dict):
-        """Sub-layer progress: solved groups go to disk as soon as they are known (in the I/O thread)."""
-        tensors = {}
+    def _persist(self, layer: int, groups: list[Group], results: dict, tensors: dict):
+        """Sub-layer progress: solved groups go to disk as soon as they are known (written by the I/O
+        thread; the commit waits for them)."""
+        if not groups:
+            return
+        mine = {}
         for g in groups:
-            tensors.update({k: v.cpu() for k, v in self._compress(layer, g, *results[g]).items()})
-        self.state.write_solved(layer, self.epoch, f"r{self.rank}.b{index:04d}", [g.name for g in groups], tensors)
+            mine.update(self._compress(layer, g, *results[(g.name, 0)]))
+            self._written.add(g.name)
+        tensors.update(mine)
+        name = f"r{self.rank}.b{len(self._writes):04d}"
+        self._writes.append(self.io.submit(self.state.write_solved, layer, self.epoch, name, [g.name for g in groups],
+                                           {k: v.cpu() for k, v in mine.items()}))
 
     def _report(self, layer, group: Group, damping: float | None):
         names = group.name + (f" (+{len(group.modules) - 1})" if len(group.modules) > 1 else "")
@@ -406,12 +420,15 @@ class Runner:
         seconds["load"] = t - t0
         with experts_mode(module, all_experts):
             for chunk, x in self.each_input(layer):
-                calib.run(module, x, self.kwargs(layer, x.shape[0]))
+                for sample in x.split(1):
+                    calib.run(module, sample, self.kwargs(layer))
+                calib.end_chunk()
         calib.remove()
         seconds["hessian"] = calib.seconds
         seconds["calibrate"] = time.perf_counter() - t - calib.seconds
 
         t = time.perf_counter()
+        self._written, self._writes = set(), []  # groups persisted by this rank in this attempt, their writes
         solved, notes = self.solve(module, layer, calib, groups)
         tensors.update(solved)
         del calib
@@ -422,12 +439,14 @@ class Runner:
         boundary = {}
         if layer < self.source.num_layers - 1:
             for chunk, x in self.each_input(layer):
-                y = _output(module(x, **self.kwargs(layer, x.shape[0]))).cpu()
+                y = self.forward(module, layer, x).cpu()
                 rel = f"boundaries/{layer + 1:05d}/e{self.epoch:05d}/chunk-{chunk:05d}.safetensors"
                 boundary[chunk] = self.io.submit(self.state.write_tensors, rel, {"hidden_states": y})
         seconds["propagate"] = time.perf_counter() - t
 
         t = time.perf_counter()
+        for f in self._writes:
+            f.result()
         mine = {"notes": notes,
                 "boundary": {str(c): {**f.result(), "samples": list(self.chunks[c])} for c, f in boundary.items()}}
         everyone = self.world.gather_objects(mine)
@@ -441,6 +460,8 @@ class Runner:
             })
         self.world.barrier()
         self.committed[layer] = self.epoch
+        if layer == 0:
+            self.embedder.release()
         if self.rank == 0:
             self.state.prune_boundaries(below=layer, epoch=self.epoch)
         seconds["commit"] = time.perf_counter() - t

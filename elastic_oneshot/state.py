@@ -48,6 +48,22 @@ def _canonical(obj) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
 
 
+def read_events(root: str) -> list[dict]:
+    """events.jsonl of the state directory `root`, skipping a line torn by a kill."""
+    try:
+        with open(os.path.join(root, "events.jsonl")) as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass
+    return out
+
+
 class StateStore:
     def __init__(self, root: str, records=None):
         self.root = os.path.abspath(root)
@@ -191,18 +207,7 @@ class StateStore:
             f.write(json.dumps(event, sort_keys=True) + "\n")
 
     def events(self) -> list[dict]:
-        try:
-            with open(self.path("events.jsonl")) as f:
-                lines = f.read().splitlines()
-        except FileNotFoundError:
-            return []
-        out = []
-        for line in lines:
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                pass  # a line torn by a kill
-        return out
+        return read_events(self.root)
 
     # -- layers -------------------------------------------------------------------------------------
     def verify(self, layer: int, epoch: int) -> dict:

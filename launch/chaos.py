@@ -31,6 +31,8 @@ import time
 
 import psutil
 
+from elastic_oneshot.state import read_events
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))  # etcd_server: the tests' throwaway etcd
 KINDS = ("kill_worker", "kill_node", "stop_node", "term_node", "add_node", "corrupt_file", "restart_etcd")
@@ -135,18 +137,7 @@ class Cluster:
         return [n for n in self.nodes if n.alive and not n.stopped]
 
     def events(self) -> list[dict]:
-        try:
-            with open(os.path.join(self.state, "events.jsonl")) as f:
-                lines = f.read().splitlines()
-        except FileNotFoundError:
-            return []
-        out = []
-        for line in lines:
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                pass
-        return out
+        return read_events(self.state)
 
     def commits(self) -> int:
         return sum(1 for e in self.events() if e["event"] == "commit")

@@ -4,7 +4,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
@@ -18,27 +17,9 @@ from elastic_oneshot.model import SourceModel
 from elastic_oneshot.moe import MoEBlock
 from test_distributed import workers
 from test_spine import int_codes
-from tiny import make_tokenizer
+from tiny import make_moe
 
 SAMPLES, SEQ, GROUP = 16, 128, 32
-
-
-def make_moe(path: str, experts: int = 8, layers: int = 2, seed: int = 0, attention: bool = True) -> str:
-    tokenizer = make_tokenizer()
-    config = transformers.Qwen3MoeConfig(
-        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
-        num_experts=experts, num_experts_per_tok=2, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, max_position_embeddings=512, tie_word_embeddings=True,
-        decoder_sparse_step=1, mlp_only_layers=[])
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() >= 2 and "embed" not in name:
-                p.normal_(0, 0.08 if attention or "o_proj" not in name else 0.0)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -66,3 +66,23 @@ def set_architecture(path: str, architecture: str):
     config["architectures"] = [architecture]
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f)
+
+
+def make_moe(path: str, experts: int = 8, layers: int = 2, seed: int = 0, hidden: int = 128, intermediate: int = 64,
+             top_k: int = 2, attention: bool = True, scale: float = 0.08) -> str:
+    """Save a tiny random Qwen3-MoE. `attention=False` zeroes o_proj, so that attention adds nothing."""
+    tokenizer = make_tokenizer()
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
+        moe_intermediate_size=intermediate, num_experts=experts, num_experts_per_tok=top_k,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4,
+        max_position_embeddings=1024, tie_word_embeddings=True, decoder_sparse_step=1, mlp_only_layers=[])
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2 and "embed" not in name:
+                p.normal_(0, scale if attention or "o_proj" not in name else 0.0)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
