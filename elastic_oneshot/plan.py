@@ -37,8 +37,8 @@ class CostModel:
     """Seconds per unit for one CPU thread, fitted on an AMD EPYC (bench/scaling.py refits it and prints
     the error). The solve is far from BLAS speed: its column loop is bound by memory and overhead."""
 
-    a: float = 3.2e-11
-    b: float = 1.4e-10
+    a: float = 2.0e-11
+    b: float = 6.4e-11
     c: float = 8.0e-5
 
     def prep(self, d: int) -> float:
