@@ -104,15 +104,11 @@ class World:
     def broadcast(self, tensor: torch.Tensor, src: int):
         return dist.broadcast(self._dev(tensor), src=src, async_op=True) if self.distributed else None
 
-    def send(self, tensor: torch.Tensor, dst: int):
-        return dist.isend(self._dev(tensor), dst=dst)
-
-    def recv(self, tensor: torch.Tensor, src: int):
-        return dist.irecv(self._dev(tensor), src=src)
-
     def _dev(self, tensor):
         if self.device.type == "cuda" and tensor.device != self.device:
             raise ValueError("collective tensors must live on the rank's device")
+        if not tensor.is_contiguous():  # gloo would send the raw storage in another order
+            raise ValueError("collective tensors must be contiguous")
         return tensor
 
     def close(self):

@@ -2,9 +2,11 @@
 
 Matches llmcompressor 0.14's GPTQModifier: Hessian 2/n * sum x x^T over the n calibration sequences,
 scales from the original weight's min/max (fixed during the solve), static activation ordering,
-dead columns zeroed, damping 0.01 * mean(diag H). Two differences, both deliberate: a Cholesky
-failure retries with more damping before falling back to round-to-nearest, and modules that share
-an input (and so a Hessian) are solved together as one matrix, their rows stacked.
+dead columns zeroed, damping 0.01 * mean(diag H). Three differences, all deliberate: a Cholesky
+failure retries with more damping before falling back to round-to-nearest; modules that share
+an input (and so a Hessian) are solved together as one matrix, their rows stacked; and for Hessians
+wider than SHARED_INVERSE_COLS the inverse factor comes from one Cholesky and one triangular inverse
+in fixed column pieces that ranks can share (the Cholesky in fp64; closer to exact than the peer's).
 """
 
 import dataclasses
@@ -62,6 +64,7 @@ class Prepared:
     row slice."""
 
     hinv: torch.Tensor  # [B, d, d] upper Cholesky factor of the damped inverse, in the permuted order
+    # (for wide Hessians, from `factor` until `invert`: the Cholesky factor of the reversed Hessian)
     perm: torch.Tensor  # [B, d] column order of the solve (identity without activation ordering)
     dead: torch.Tensor  # [B, d] columns no calibration token touched
     damping: list  # per matrix: the dampening fraction that worked; None: round-to-nearest
@@ -87,24 +90,23 @@ class Prepared:
         return cls(hinv, meta[:, :d].long(), meta[:, d:2 * d].bool(), damping)
 
 
-def inverse_cholesky(h: torch.Tensor, frac: float) -> tuple[torch.Tensor | None, float]:
-    """Upper Cholesky factor of (H + damp*I)^-1, retrying with more damping when H is not positive definite."""
-    mean_diag = torch.mean(torch.diag(h))
-    for attempt in range(DAMPING_RETRIES + 1):
-        f = frac if attempt == 0 else max(frac, 0.01) * 10**attempt
-        damped = h.clone()
-        damped.diagonal().add_(f * mean_diag)
-        chol, info = torch.linalg.cholesky_ex(damped)
-        if info == 0:
-            inv, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(chol), upper=True)
-            if info == 0:
-                return inv, f
-    return None, frac
+SHARED_INVERSE_COLS = 8192  # wider Hessians get their inverse in pieces that ranks can share
+INVERSE_PIECE = 512  # columns per piece: fixed, so results never depend on the world size
 
 
-def prepare(hessian: torch.Tensor, actorder, dampening_frac: float = 0.01) -> Prepared:
-    """The O(d^3) part for a batch of Hessians [B, d, d]: activation order, dead columns, and the
-    damped inverse's Cholesky factor. A Hessian no token reached (all zero) gets round-to-nearest."""
+def inverse_pieces(cols: int) -> list[tuple[int, int]]:
+    """Column pieces of a wide Hessian's triangular inverse; none for the others, whose inverse `factor`
+    computes whole with the peer's very steps (so their codes stay bit-identical to the peer's)."""
+    if cols <= SHARED_INVERSE_COLS:
+        return []
+    return [(j, min(j + INVERSE_PIECE, cols)) for j in range(0, cols, INVERSE_PIECE)]
+
+
+def factor(hessian: torch.Tensor, actorder, dampening_frac: float = 0.01) -> Prepared:
+    """The first O(d^3) step for a batch of Hessians [B, d, d]: activation order, dead columns, and the
+    damped inverse's upper Cholesky factor; for wide ones (`inverse_pieces`) only the Cholesky factor L
+    of the Hessian with rows and columns reversed, held in `hinv` until `invert`. Not positive definite:
+    retried with more damping. No token reached it (all zero), or no damping helped: round-to-nearest."""
     H = hessian.to(torch.float32).clone()
     batch, cols, _ = H.shape
     diag = torch.diagonal(H, dim1=-2, dim2=-1)
@@ -119,12 +121,62 @@ def prepare(hessian: torch.Tensor, actorder, dampening_frac: float = 0.01) -> Pr
     untouched = dead.all(dim=-1)
     dead[untouched] = False
     diag.masked_fill_(dead, 1)
-    hinv, damping = torch.empty_like(H), []
+    out, damping = torch.empty_like(H), []
     for b in range(batch):
-        inv, f = (None, None) if untouched[b] else inverse_cholesky(H[b], dampening_frac)
-        hinv[b] = torch.eye(cols, device=H.device) if inv is None else inv
-        damping.append(None if inv is None else f)
-    return Prepared(hinv, perm, dead, damping)
+        f, frac = (None, None) if untouched[b] else _damped_factor(H[b], dampening_frac, bool(inverse_pieces(cols)))
+        out[b] = torch.eye(cols, device=H.device) if f is None else f
+        damping.append(None if f is None else frac)
+    return Prepared(out, perm, dead, damping)
+
+
+def _damped_factor(h: torch.Tensor, frac: float, wide: bool) -> tuple[torch.Tensor | None, float]:
+    mean_diag = torch.mean(torch.diag(h))
+    for attempt in range(DAMPING_RETRIES + 1):
+        f = frac if attempt == 0 else max(frac, 0.01) * 10**attempt
+        damped = h.clone()
+        damped.diagonal().add_(f * mean_diag)
+        if wide:  # in fp64: fp32 rounding here lands in the inverse factor's first rows, which GPTQ uses first
+            out, info = torch.linalg.cholesky_ex(damped.flip(0, 1).double())
+            out = out.float()
+        else:  # the peer's steps: Cholesky, inverse, Cholesky of the inverse
+            chol, info = torch.linalg.cholesky_ex(damped)
+            if info == 0:
+                out, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(chol), upper=True)
+        if info == 0:
+            return out, f
+    return None, frac
+
+
+def inverse_columns(chol: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """Columns [start, end) of L^-1 ([d, d] lower triangular), rows start and below (those above are 0).
+    Pieces are independent, so ranks can share one inverse."""
+    eye = torch.eye(chol.shape[-1] - start, end - start, device=chol.device, dtype=chol.dtype)
+    return torch.linalg.solve_triangular(chol[start:, start:], eye, upper=False).contiguous()  # to broadcast
+
+
+def assemble(pieces: list[torch.Tensor], cols: int) -> torch.Tensor:
+    """The upper Cholesky factor of H^-1 from the pieces of L^-1 (L from the reversed H): reversing
+    rows and columns of L^-1 gives U with U^T U = H^-1. One factorization and one triangular inverse,
+    where the peer does three O(d^3) steps; equal up to rounding."""
+    inv = pieces[0].new_zeros(cols, cols)
+    for (start, end), piece in zip(inverse_pieces(cols), pieces):
+        inv[start:, start:end] = piece
+    return inv.flip(0, 1)
+
+
+def invert(factored: Prepared) -> Prepared:
+    """`factor`'s result made ready to solve, on one rank."""
+    cols = factored.hinv.shape[-1]
+    if not inverse_pieces(cols):
+        return factored
+    hinv = torch.stack([assemble([inverse_columns(L, s, e) for s, e in inverse_pieces(cols)], cols)
+                        for L in factored.hinv])
+    return Prepared(hinv, factored.perm, factored.dead, factored.damping)
+
+
+def prepare(hessian: torch.Tensor, actorder, dampening_frac: float = 0.01) -> Prepared:
+    """The O(d^3) part for a batch of Hessians [B, d, d]: `factor`, then `invert`."""
+    return invert(factor(hessian, actorder, dampening_frac))
 
 
 def solve(weight: torch.Tensor, prep: Prepared, args: QuantizationArgs, block_size: int = 128) -> Result:

@@ -1,17 +1,23 @@
-"""The weight-parallel plan: which rank solves which GPTQ work. Pure: derived from names and shapes only,
-so every rank computes the same plan and no collective can wait on a rank that saw other modules.
+"""The weight-parallel plan: which rank does which GPTQ step, in which order. Pure: derived from names
+and shapes only, so every rank computes the same plan and no collective can wait on a rank that saw
+other modules.
 
-A unit of work is an input group (modules sharing a Hessian, their rows stacked). Its cost is
-    prep  = a * d^3                (Cholesky, inverse, Cholesky of the inverse; d = input features)
-    solve = b * rows * d^2 + c * d (the blocked solve; c is the per-column overhead of the loop)
-Groups are assigned longest-processing-time first. A group whose cost would exceed the ideal makespan
-(total / W) is split by output rows: its prep runs once on the first slice's rank, which sends the
-inverse to the others (rows are independent once it is known).
+A unit of work is an input group (modules sharing a Hessian, their rows stacked), costed as
+    factor = a * d^3                  (the peer's three steps to the inverse factor; d = input features)
+           = f * d^3                  (wide Hessians: Cholesky of the reversed Hessian, then
+    invert = i * (d - start)^2 * cols  one fixed piece of the triangular inverse, gptq.inverse_pieces)
+    solve  = b * rows * d^2 + c * d   (the blocked solve; c is the per-column overhead of the loop)
+Most groups are done whole on one rank. A group costing more than half the ideal makespan (total / W)
+is shared, when that shortens the plan: one rank factors it, then the inverse's pieces (if wide) and
+the output rows spread over all ranks (rows are independent once the inverse is known). Steps are placed by list scheduling (earliest finish,
+honouring those dependencies) and run in the order of their modeled start, so the plan's makespan
+is a simulation of the run, waits included.
 """
 
 import dataclasses
-import math
 import re
+
+from .gptq import inverse_pieces
 
 # Sibling modules that read the same input tensor, and so share one Hessian.
 SHARED_INPUTS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -34,18 +40,27 @@ def input_groups(names: list[str], all_experts: bool = False) -> list[list[str]]
 
 @dataclasses.dataclass(frozen=True)
 class CostModel:
-    """Seconds per unit for one CPU thread, fitted on an AMD EPYC (bench/scaling.py refits it and prints
-    the error). The solve is far from BLAS speed: its column loop is bound by memory and overhead."""
+    """Seconds per unit for one CPU thread, fitted on an AMD EPYC (bench/scaling.py prints the error). The
+    solve is far from BLAS speed: its column loop is bound by memory and per-column overhead."""
 
     a: float = 2.0e-11
+    f: float = 1.07e-11
+    i: float = 3.1e-11
     b: float = 6.4e-11
     c: float = 8.0e-5
 
-    def prep(self, d: int) -> float:
-        return self.a * d**3
+    def factor(self, d: int) -> float:
+        return (self.f if inverse_pieces(d) else self.a) * d**3
+
+    def invert(self, d: int, start: int, end: int) -> float:
+        return self.i * (d - start) ** 2 * (end - start)
 
     def solve(self, rows: int, d: int) -> float:
         return self.b * rows * d * d + self.c * d
+
+    def whole(self, g: "Group") -> float:
+        return (self.factor(g.cols) + sum(self.invert(g.cols, s, e) for s, e in inverse_pieces(g.cols)) +
+                self.solve(g.rows, g.cols))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,20 +85,18 @@ def layer_groups(layer, names: list[str], all_experts: bool = False) -> list[Gro
 
 
 @dataclasses.dataclass(frozen=True)
-class Work:
+class Step:
+    kind: str  # "whole": factor, invert and solve one group on one rank; or one step of a shared group:
+    # "factor", "invert" (columns start:end of the inverse) or "solve" (stacked rows start:end)
     group: Group
-    start: int  # stacked row range [start, end)
+    start: int
     end: int
     rank: int
-    prep_rank: int  # the rank that computes this group's inverse Hessian (and receives the Hessian)
+    begin: float  # modeled start and duration, seconds
     cost: float
 
-    @property
-    def split(self) -> bool:
-        return (self.start, self.end) != (0, self.group.rows)
-
     def pieces(self):
-        """(module, first row, last row) of each module this slice covers, in module-local rows."""
+        """(module, first row, last row) of each module a whole or solve step covers, in module-local rows."""
         offset = 0
         for name, rows in self.group.modules:
             lo, hi = max(self.start, offset), min(self.end, offset + rows)
@@ -94,18 +107,18 @@ class Work:
 
 @dataclasses.dataclass
 class Plan:
-    work: list[Work]  # in the order every rank executes and broadcasts them
+    steps: list[Step]  # in the order every rank executes them and broadcasts their results
     world_size: int
 
     def loads(self) -> list[float]:
         loads = [0.0] * self.world_size
-        for w in self.work:
-            loads[w.rank] += w.cost
+        for s in self.steps:
+            loads[s.rank] += s.cost
         return loads
 
     @property
     def makespan(self) -> float:
-        return max(self.loads())
+        return max((s.begin + s.cost for s in self.steps), default=0.0)
 
     @property
     def total(self) -> float:
@@ -117,75 +130,91 @@ class Plan:
         return self.total / self.world_size / self.makespan if self.makespan else 1.0
 
     def owners(self) -> dict[str, int]:
-        return {w.group.name: w.prep_rank for w in self.work}
+        """The rank that receives each group's Hessian (and writes its result)."""
+        return {s.group.name: s.rank for s in self.steps if s.kind in ("whole", "factor")}
 
-
-def _slices(rows: int, k: int) -> list[tuple[int, int]]:
-    k = max(1, min(k, rows))
-    return [(i * rows // k, (i + 1) * rows // k) for i in range(k)]
+    def shared(self, group: Group) -> bool:
+        return any(s.group is group and s.kind == "factor" for s in self.steps)
 
 
 def make_plan(groups: list[Group], world_size: int, cost: CostModel = CostModel()) -> Plan:
-    """LPT assignment, with dominant groups split by rows when that lowers the makespan."""
-    whole = _lpt(groups, world_size, cost, split=False)
-    if world_size == 1:
-        return whole
-    split = _lpt(groups, world_size, cost, split=True)
-    return split if split.makespan < whole.makespan else whole
+    """The shorter of two plans: every group whole, or the large ones shared."""
+    ideal = sum(cost.whole(g) for g in groups) / world_size
+    large = [g for g in groups if world_size > 1 and cost.whole(g) > ideal / 2]
+    return min((_schedule(groups, world_size, cost, shared) for shared in ([], large)), key=lambda p: p.makespan)
 
 
-def _lpt(groups: list[Group], world_size: int, cost: CostModel, split: bool) -> Plan:
-    totals = {g.name: cost.prep(g.cols) + cost.solve(g.rows, g.cols) for g in groups}
-    ideal = sum(totals.values()) / world_size
-    items = []  # (cost, order, group, start, end, holds_prep)
-    for order, g in enumerate(groups):
-        k = math.ceil(totals[g.name] / ideal) if split and world_size > 1 else 1
-        slices = _slices(g.rows, min(k, world_size))
-        for i, (start, end) in enumerate(slices):
-            c = cost.solve(end - start, g.cols) + (cost.prep(g.cols) if i == 0 else 0.0)
-            items.append((c, order, g, start, end, i == 0))
-    loads = [0.0] * world_size
-    assigned: dict[tuple[str, int], int] = {}
-    prep_rank: dict[str, int] = {}
-    # Longest first; ties broken by module order so that the plan is a pure function of the shapes.
-    for c, order, g, start, end, holds_prep in sorted(items, key=lambda t: (-t[0], t[1], t[3])):
-        taken = {r for (name, _), r in assigned.items() if name == g.name}
-        candidates = [r for r in range(world_size) if r not in taken] or list(range(world_size))
-        rank = min(candidates, key=lambda r: (loads[r], r))
-        loads[rank] += c
-        assigned[(g.name, start)] = rank
-        if holds_prep:
-            prep_rank[g.name] = rank
-    work = [Work(g, start, end, assigned[(g.name, start)], prep_rank[g.name], c)
-            for c, order, g, start, end, _ in sorted(items, key=lambda t: (t[1], t[3]))]
-    # Execution order: inverses that others wait for first, then the rest in module order.
-    work.sort(key=lambda w: (not (w.start == 0 and any(o.group is w.group and o.split for o in work)),
-                             groups.index(w.group), w.start))
-    return Plan(work, world_size)
+def _schedule(groups: list[Group], world_size: int, cost: CostModel, shared: list[Group]) -> Plan:
+    free, steps = [0.0] * world_size, []
+
+    def place(kind, g, start, end, seconds, ready, rank=None):
+        if rank is None:
+            rank = min(range(world_size), key=lambda r: (max(free[r], ready) + seconds, r))
+        begin = max(free[rank], ready)
+        free[rank] = begin + seconds
+        steps.append(Step(kind, g, start, end, rank, begin, seconds))
+        return begin + seconds
+
+    # Factorizations others wait for first, largest first; then whole groups longest first (ties in
+    # module order, so that the plan is a pure function of the shapes); then the shared inverses and rows.
+    factored = {g.name: place("factor", g, 0, 0, cost.factor(g.cols), 0.0)
+                for g in sorted(shared, key=lambda g: -g.cols)}
+    for g in sorted((g for g in groups if g not in shared), key=lambda g: -cost.whole(g)):
+        place("whole", g, 0, g.rows, cost.whole(g), 0.0)
+    for g in shared:
+        ready = max((place("invert", g, s, e, cost.invert(g.cols, s, e), factored[g.name])
+                     for s, e in inverse_pieces(g.cols)), default=factored[g.name])
+        for rank, (lo, hi) in _fill(free, ready, g.rows, cost.b * g.cols**2, cost.c * g.cols):
+            place("solve", g, lo, hi, cost.solve(hi - lo, g.cols), ready, rank)
+    order = {id(s): i for i, s in enumerate(steps)}
+    steps.sort(key=lambda s: (s.begin, order[id(s)]))
+    return Plan(steps, world_size)
+
+
+def _fill(free: list[float], ready: float, rows: int, per_row: float, overhead: float):
+    """(rank, row range) slices of `rows` that finish together on the ranks free soonest (water-filling)."""
+    start = {r: max(f, ready) + overhead for r, f in enumerate(free)}
+    ranks = sorted(start, key=lambda r: (start[r], r))[:rows]
+    while True:
+        end = (rows * per_row + sum(start[r] for r in ranks)) / len(ranks)
+        if len(ranks) == 1 or start[ranks[-1]] < end - per_row:
+            break
+        ranks.pop()
+    shares = [(end - start[r]) / per_row for r in ranks]
+    bounds, acc = [0], 0.0
+    for share in shares:
+        acc += share
+        bounds.append(min(rows, max(bounds[-1] + 1, round(acc))))
+    bounds[-1] = rows
+    return [(r, (lo, hi)) for r, lo, hi in zip(sorted(ranks), bounds, bounds[1:]) if lo < hi]
 
 
 def peer_plan(groups: list[Group], world_size: int, cost: CostModel = CostModel()) -> Plan:
     """llmcompressor's assignment for comparison: one module per unit (no shared Hessians), greedy bin
-    packing on in_features, costed with our model."""
+    packing on in_features, costed with our model (each module's steps back to back on its rank)."""
     singles = [Group(((name, rows),), g.cols) for g in groups for name, rows in g.modules]
-    loads = [0.0] * world_size
-    work = []
+    bins, free, steps = [0] * world_size, [0.0] * world_size, []
     for s in sorted(singles, key=lambda s: -s.cols):
-        rank = min(range(world_size), key=lambda r: (loads[r], r))
-        loads[rank] += s.cols
-        work.append(Work(s, 0, s.rows, rank, rank, cost.prep(s.cols) + cost.solve(s.rows, s.cols)))
-    return Plan(work, world_size)
+        rank = min(range(world_size), key=lambda r: (bins[r], r))
+        bins[rank] += s.cols
+        steps.append(Step("whole", s, 0, s.rows, rank, free[rank], cost.whole(s)))
+        free[rank] += cost.whole(s)
+    return Plan(steps, world_size)
 
 
 def describe(plan: Plan) -> list[str]:
-    """A plan in a few lines: per rank its work (names, or counts when many) and load; then the balance."""
+    """A plan in a few lines: per rank its steps (names, or counts when many) and busy time; then the
+    makespan and balance."""
     lines = []
     for rank in range(plan.world_size):
-        mine = [w for w in plan.work if w.rank == rank]
-        names = ["+".join([w.group.modules[0][0]] + [n.rsplit(".", 1)[-1] for n, _ in w.group.modules[1:]]) +
-                 (f"[rows {w.start}:{w.end}]" if w.split else "") for w in mine]
-        shown = ", ".join(names) if len(names) <= 6 else f"{len(names)} groups"
-        lines.append(f"  rank {rank}: {sum(w.cost for w in mine):8.3f} s  {shown}")
+        mine = [s for s in plan.steps if s.rank == rank]
+        names = []
+        for s in mine:
+            name = "+".join([s.group.modules[0][0]] + [n.rsplit(".", 1)[-1] for n, _ in s.group.modules[1:]])
+            names.append(name + {"whole": "", "factor": " factor", "invert": f" inverse[cols {s.start}:{s.end}]",
+                                 "solve": f"[rows {s.start}:{s.end}]"}[s.kind])
+        shown = ", ".join(names) if len(names) <= 6 else f"{len(names)} steps"
+        lines.append(f"  rank {rank}: {sum(s.cost for s in mine):8.3f} s  {shown}")
     lines.append(f"  makespan {plan.makespan:.3f} s, ideal {plan.total / plan.world_size:.3f} s, "
                  f"balance {plan.balance:.3f}")
     return lines

@@ -289,67 +289,95 @@ class Runner:
         return module
 
     def solve(self, layer_module, layer: int, calib: Calibration, groups: list[Group]) -> tuple[dict, dict]:
-        """GPTQ `groups` across ranks by the plan: Hessians are reduced to the rank that prepares each
-        group's inverse; row slices of split groups receive it from there; each rank solves its work in
-        batches of equal shape (experts) and broadcasts every result in plan order as soon as it has it.
-        Every rank ends with every quantized weight; each group's preparer persists it at once.
+        """GPTQ `groups` across ranks by the plan. Each Hessian is reduced to its owner; every rank walks the
+        plan's steps in order, computes its own (whole groups in batches of equal shape, as experts are)
+        and issues a broadcast for every step whose result others need, so that no rank waits on a later
+        step. A shared group's factor and inverse pieces reach every rank; every rank ends with every
+        quantized weight; each group's owner persists it at once.
         Returns the compressed tensors of these groups and this rank's notes."""
         modules = dict(layer_module.named_modules())
         plan = make_plan(groups, self.world.size)
         owners = plan.owners()
         me, args = self.rank, self.scheme.weights
+        frac, block = self.job.recipe.dampening_frac, self.job.recipe.block_size
         _wait([self.world.reduce_to(calib.hessian[g.name], owners[g.name]) for g in groups])
-
-        prepared, transfers, notes = {}, [], {}
-        for batch in _batches([g for g in groups if owners[g.name] == me], lambda g: (g.cols,), lambda g: g.cols ** 2):
-            h = torch.stack([calib.hessian.pop(g.name) for g in batch]) / self.job.num_samples
-            p = gptq.prepare(h, args.actorder, self.job.recipe.dampening_frac)
-            for i, g in enumerate(batch):
-                prepared[g.name] = p[i:i + 1]
-                self._report(layer, g, p.damping[i])
-                notes.update({name: {"damping": p.damping[i]} for name, _ in g.modules})
-                for w in plan.work:
-                    if w.group == g and w.rank != me:
-                        transfers += [self.world.send(t, w.rank) for t in prepared[g.name].pack()]
+        hessian = {g.name: calib.hessian[g.name] / self.job.num_samples for g in groups if owners[g.name] == me}
         calib.hessian.clear()
-        received = {}
-        for w in plan.work:
-            if w.rank == me and w.prep_rank != me and w.group.name not in received:
-                d = w.group.cols
-                bufs = (torch.empty(1, d, d, device=self.device),
-                        torch.empty(1, 2 * d + 1, dtype=torch.float64, device=self.device))
-                transfers += [self.world.recv(t, w.prep_rank) for t in bufs]
-                received[w.group.name] = bufs
-        _wait(transfers)
-        prepared.update({name: gptq.Prepared.unpack(*bufs) for name, bufs in received.items()})
 
-        def rows(w):
-            return torch.cat([modules[n].weight[lo:hi] for n, lo, hi in w.pieces()])
+        def rows(s):
+            return torch.cat([modules[n].weight[lo:hi] for n, lo, hi in s.pieces()])
 
-        mine = [w for w in plan.work if w.rank == me]
-        batches = _batches(mine, lambda w: (w.end - w.start, w.group.cols), lambda w: (w.end - w.start) * w.group.cols)
-        results, pending, tensors = {}, [], {}
-        for w in plan.work:
-            key = (w.group.name, w.start)
-            if w.rank == me and key not in results:
-                batch = next(b for b in batches if w in b)
-                r = gptq.solve(torch.stack([rows(o) for o in batch]), gptq.Prepared.cat(
-                    [prepared[o.group.name] for o in batch]), args, self.job.recipe.block_size)
-                for i, o in enumerate(batch):
-                    results[(o.group.name, o.start)] = (r.weight[i], r.scale[i], r.zero_point[i])
-                self._persist(layer, [o.group for o in batch if not o.split], results, tensors)
-            elif w.rank != me:
-                n, weight = w.end - w.start, modules[w.group.modules[0][0]].weight
-                ngroups = w.group.cols // args.group_size if args.group_size else 1
-                results[key] = (torch.empty(n, w.group.cols, dtype=weight.dtype, device=self.device),
-                                torch.empty(n, ngroups, dtype=weight.dtype, device=self.device),
-                                torch.empty(n, ngroups, dtype=args.zp_dtype, device=self.device))
-            pending += [self.world.broadcast(t, w.rank) for t in results[key]]
+        def empty(*shape, dtype=torch.float32):
+            return torch.empty(*shape, dtype=dtype, device=self.device)
+
+        def note(g, damping):
+            self._report(layer, g, damping)
+            notes.update({name: {"damping": damping} for name, _ in g.modules})
+
+        wholes = [s for s in plan.steps if s.kind == "whole" and s.rank == me]
+        batches = _batches(wholes, lambda s: (s.group.rows, s.group.cols),
+                           lambda s: s.group.cols * (s.group.rows + s.group.cols))
+        factors, pieces, prepared = {}, {}, {}  # shared groups: (L, meta) with their broadcasts; inverse pieces
+        results, pending, tensors, notes = {}, [], {}, {}
+
+        def ready(g):  # a shared group's inverse, once its factor and every piece have arrived
+            if g.name not in prepared:
+                (chol, meta), works = factors[g.name]
+                _wait(works + [w for _, w in pieces[g.name].values()])
+                spans = gptq.inverse_pieces(g.cols)
+                hinv = gptq.assemble([pieces[g.name][start][0] for start, _ in spans], g.cols) if spans else chol
+                prepared[g.name] = gptq.Prepared.unpack(hinv.unsqueeze(0), meta)
+            return prepared[g.name]
+
+        for s in plan.steps:
+            g, mine = s.group, s.rank == me
+            if s.kind == "factor":
+                if mine:
+                    f = gptq.factor(hessian.pop(g.name)[None], args.actorder, frac)
+                    note(g, f.damping[0])
+                    chol, meta = f.pack()
+                else:
+                    chol, meta = empty(1, g.cols, g.cols), empty(1, 2 * g.cols + 1, dtype=torch.float64)
+                factors[g.name] = ((chol[0], meta), [self.world.broadcast(t, s.rank) for t in (chol, meta)])
+                pieces[g.name] = {}
+                continue
+            if s.kind == "invert":
+                if mine:
+                    (chol, _), works = factors[g.name]
+                    _wait(works)
+                    piece = gptq.inverse_columns(chol, s.start, s.end)
+                else:
+                    piece = empty(g.cols - s.start, s.end - s.start)
+                pieces[g.name][s.start] = (piece, self.world.broadcast(piece, s.rank))
+                continue
+            key = (g.name, s.start)
+            if mine and s.kind == "whole":
+                if key not in results:  # solved with an earlier step of its batch
+                    batch = next(b for b in batches if s in b)
+                    hs = torch.stack([hessian.pop(o.group.name) for o in batch])
+                    prep = gptq.prepare(hs, args.actorder, frac)
+                    r = gptq.solve(torch.stack([rows(o) for o in batch]), prep, args, block)
+                    for i, o in enumerate(batch):
+                        results[(o.group.name, 0)] = (r.weight[i], r.scale[i], r.zero_point[i])
+                        note(o.group, prep.damping[i])
+                    self._persist(layer, [o.group for o in batch], results, tensors)
+            elif mine:
+                r = gptq.solve(rows(s)[None], ready(g), args, block)
+                results[key] = (r.weight[0], r.scale[0], r.zero_point[0])
+            else:
+                weight = modules[g.modules[0][0]].weight
+                ngroups = g.cols // args.group_size if args.group_size else 1
+                results[key] = (empty(s.end - s.start, g.cols, dtype=weight.dtype),
+                                empty(s.end - s.start, ngroups, dtype=weight.dtype),
+                                empty(s.end - s.start, ngroups, dtype=args.zp_dtype))
+            pending += [self.world.broadcast(t, s.rank) for t in results[key]]
         _wait(pending)
 
-        for g in groups:  # assemble row slices; persist the split groups this rank prepared
-            parts = [results[(g.name, w.start)] for w in sorted(plan.work, key=lambda w: w.start) if w.group == g]
-            results[(g.name, 0)] = tuple(torch.cat(p) for p in zip(*parts))
+        for g in groups:  # assemble row slices; persist the shared groups this rank owns
+            if plan.shared(g):
+                parts = [results[(g.name, s.start)] for s in sorted(plan.steps, key=lambda s: s.start)
+                         if s.group is g and s.kind == "solve"]
+                results[(g.name, 0)] = tuple(torch.cat(p) for p in zip(*parts))
         self._persist(layer, [g for g in groups if owners[g.name] == me and g.name not in self._written], results,
                       tensors)
         for g in groups:

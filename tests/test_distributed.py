@@ -13,6 +13,8 @@ import pytest
 
 from conftest import one_thread_env, run_cli, torchrun_cmd, tree_digest
 from elastic_oneshot.evaluate import perplexity
+from elastic_oneshot.model import SourceModel
+from elastic_oneshot.plan import layer_groups, make_plan
 from test_spine import int_codes
 from tiny import make_model
 
@@ -55,6 +57,20 @@ def test_world_sizes_agree_with_one_rank(world, tiny_llama, w1, tmp_path):
         again = tmp_path / "again"
         run_world(world, tiny_llama, again)
         assert tree_digest(again) == tree_digest(out), "two runs at the same world size differ"
+
+
+def test_shared_group_spreads_its_inverse_and_rows(tmp_path):
+    """A wide down_proj (in_features above gptq.SHARED_INVERSE_COLS) is shared: one rank factors it, all
+    ranks invert pieces and solve row slices; the output matches one rank's."""
+    model = make_model(str(tmp_path / "wide"), "llama", intermediate_size=8704, num_hidden_layers=1)
+    steps = make_plan(layer_groups(SourceModel(model).layers[0], ["mlp.down_proj"]), 3).steps
+    assert {(s.kind, s.rank) for s in steps} >= {("factor", 0), ("invert", 1), ("invert", 2), ("solve", 1)}
+    job = ["--num-samples", 12, "--seq-len", 64, "--group-size", 64, "--chunk-size", 4]
+    run_world(1, model, tmp_path / "w1", job)
+    run_world(3, model, tmp_path / "w3", job)
+    same = same_codes(tmp_path / "w1", tmp_path / "w3")
+    print(f"\nshared down_proj, W=3 vs W=1: {same:.4%} of int codes identical")
+    assert same >= 0.999
 
 
 def test_more_ranks_than_chunks(tiny_llama, tmp_path):

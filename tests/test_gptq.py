@@ -81,3 +81,25 @@ def test_batched_equals_one_at_a_time():
     assert torch.equal(batched, single)
     untouched = gptq.prepare(torch.zeros(1, 128, 128), "static")  # an expert no token reached
     assert untouched.damping == [None] and not untouched.dead.any()
+
+
+def test_wide_hessian_inverse_in_pieces():
+    """Above SHARED_INVERSE_COLS the inverse comes from one (fp64) Cholesky and pieces of a triangular
+    inverse that ranks can share: its codes equal an fp64 reference's; the peer's fp32 steps drift."""
+    args = QuantizationArgs(num_bits=4, group_size=128, actorder="static", observer="memoryless_minmax")
+    cols = gptq.SHARED_INVERSE_COLS + 512
+    w, h = problem(rows=16, cols=cols, dead=(5,))
+    ours, prep = gptq.quantize(w, h, args)
+    assert len(gptq.inverse_pieces(cols)) == cols // gptq.INVERSE_PIECE and prep.damping == [0.01]
+    p = prep.perm[0]
+    H = h[p][:, p].double()
+    H.diagonal()[prep.dead[0]] = 1
+    H.diagonal().add_(0.01 * H.diagonal().mean())
+    exact = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True).float()
+    reference = gptq.solve(w[None], gptq.Prepared(exact[None], prep.perm, prep.dead, prep.damping), args).weight[0]
+    q = peer(w, h, args)[0]
+    same, peer_same = ((ours.weight == reference).float().mean().item(), (q == reference).float().mean().item())
+    print(f"wide Hessian ({cols} columns), weights identical to an fp64 inverse's: ours {same:.4%}, "
+          f"llmcompressor's {peer_same:.4%}")
+    assert same == 1.0
+    assert (ours.weight == q).float().mean() > 0.99
