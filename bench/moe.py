@@ -20,6 +20,8 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
+from peer import run_peer  # noqa: E402  (tests/peer.py: llmcompressor on our tokens)
+
 SHAPES = {  # name: (layers, experts, hidden, expert intermediate)
     "tiny (2 layers, 8 experts)": (2, 8, 128, 64),
     "8 layers, 64 experts": (8, 64, 256, 128),
@@ -44,26 +46,6 @@ def make(path: str, layers: int, experts: int, hidden: int, inter: int) -> str:
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
-
-
-def peer_child(model: str, out: str, samples: int, seq_len: int, group: int):
-    import transformers
-    from datasets import Dataset
-    from llmcompressor import oneshot
-    from llmcompressor.modifiers.gptq import GPTQModifier
-
-    from elastic_oneshot.data import calibration_samples
-
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model)
-    ids = calibration_samples("builtin", tokenizer, samples, seq_len, seed=0)
-    ds = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist()})
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-    recipe = GPTQModifier(config_groups={"group_0": {"targets": ["Linear"], "weights": {
-        "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": group}}},
-        ignore=["lm_head", "re:.*mlp.gate$"])
-    oneshot(model=loaded, dataset=ds, recipe=recipe, num_calibration_samples=samples, max_seq_length=seq_len,
-            shuffle_calibration_samples=False, pipeline="sequential", moe_calibrate_all_experts=True)
-    loaded.save_pretrained(out, save_compressed=True)
 
 
 def timed(cmd: list[str], log: str) -> float:
@@ -111,7 +93,7 @@ def main():
     p.add_argument("--peer-child", nargs=2, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.peer_child:
-        return peer_child(*a.peer_child, a.samples, a.seq_len, a.group_size)
+        return run_peer(*a.peer_child, a.samples, a.seq_len, a.group_size, moe=True)
     os.makedirs(a.workdir, exist_ok=True)
     print(f"{a.samples} samples x {a.seq_len} tokens, W4A16 group {a.group_size}, {os.cpu_count()} cores")
     for name, (layers, experts, hidden, inter) in SHAPES.items():

@@ -17,6 +17,9 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+
+from peer import run_peer  # noqa: E402  (tests/peer.py: llmcompressor on our tokens)
 
 
 def measure(cmd: list[str], log: str) -> tuple[float, float]:
@@ -29,29 +32,6 @@ def measure(cmd: list[str], log: str) -> tuple[float, float]:
     if os.waitstatus_to_exitcode(status) != 0:
         sys.exit(f"{' '.join(cmd[:4])} ... failed; see {log}")
     return wall, usage.ru_maxrss / 2**20
-
-
-def peer_child(model: str, out: str, samples: int, seq_len: int, group_size: int):
-    """llmcompressor's oneshot on our calibration tokens (runs in its own process)."""
-    import torch
-    import transformers
-    from datasets import Dataset
-    from llmcompressor import oneshot
-    from llmcompressor.modifiers.gptq import GPTQModifier
-
-    from elastic_oneshot.data import calibration_samples
-
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model)
-    ids = calibration_samples("builtin", tokenizer, samples, seq_len, seed=0)
-    ds = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist()})
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-    recipe = GPTQModifier(config_groups={"group_0": {"targets": ["Linear"], "weights": {
-        "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": group_size}}},
-        ignore=["lm_head"])
-    oneshot(model=loaded, dataset=ds, recipe=recipe, num_calibration_samples=samples, max_seq_length=seq_len,
-            shuffle_calibration_samples=False, pipeline="sequential")
-    loaded.save_pretrained(out, save_compressed=True)
-    tokenizer.save_pretrained(out)
 
 
 def layer_flops(model: str, samples: int, seq_len: int) -> dict[str, float]:
@@ -90,7 +70,7 @@ def main():
     p.add_argument("--peer-child", nargs=2, metavar=("MODEL", "OUT"), help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.peer_child:
-        return peer_child(*a.peer_child, a.samples, a.seq_len, a.group_size)
+        return run_peer(*a.peer_child, a.samples, a.seq_len, a.group_size)
 
     from elastic_oneshot.default_model import default_model
     from elastic_oneshot.evaluate import perplexity

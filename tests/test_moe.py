@@ -12,10 +12,11 @@ import transformers
 
 from conftest import one_thread_env, run_cli, torchrun_cmd
 from elastic_oneshot import oneshot
-from elastic_oneshot.data import calibration_samples, heldout_samples
+from elastic_oneshot.data import heldout_samples
 from elastic_oneshot.model import SourceModel
 from elastic_oneshot.moe import MoEBlock
 from test_distributed import workers
+from peer import run_peer
 from test_spine import int_codes
 from tiny import make_moe
 
@@ -40,25 +41,6 @@ def test_calibration_block_output_equals_original(tiny_moe, all_experts):
     assert torch.allclose(expected, got, rtol=0, atol=1e-6)
 
 
-def run_peer(model_dir: str, out: str) -> str:
-    from datasets import Dataset
-    from llmcompressor import oneshot as peer_oneshot
-    from llmcompressor.modifiers.gptq import GPTQModifier
-
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
-    ids = calibration_samples("builtin", tokenizer, SAMPLES, SEQ, seed=0)
-    ids = ids[torch.argsort(torch.argsort(torch.tensor([SEQ] * SAMPLES), descending=True))]  # its visiting order
-    ds = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist()})
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    recipe = GPTQModifier(config_groups={"group_0": {"targets": ["Linear"], "weights": {
-        "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": GROUP}}},
-        ignore=["lm_head", "re:.*mlp.gate$"])
-    peer_oneshot(model=model, dataset=ds, recipe=recipe, num_calibration_samples=SAMPLES, max_seq_length=SEQ,
-                 shuffle_calibration_samples=False, pipeline="sequential", moe_calibrate_all_experts=True)
-    model.save_pretrained(out, save_compressed=True)
-    return out
-
-
 @pytest.fixture(scope="module")
 def ours(tiny_moe, tmp_path_factory):
     return oneshot(model=tiny_moe, num_calibration_samples=SAMPLES, max_seq_length=SEQ, group_size=GROUP,
@@ -74,7 +56,7 @@ def test_parity_with_llmcompressor_qwen3_moe(tmp_path):
     ours = oneshot(model=model, num_calibration_samples=SAMPLES, max_seq_length=SEQ, group_size=GROUP,
                    chunk_size=SAMPLES, output_dir=str(tmp_path / "ours"))
     a, _ = int_codes(ours)
-    b, _ = int_codes(run_peer(model, str(tmp_path / "peer")))
+    b, _ = int_codes(run_peer(model, str(tmp_path / "peer"), SAMPLES, SEQ, GROUP, moe=True))
     assert a.keys() == b.keys() and len(a) == 2 * (4 + 3 * 8)
     same = sum((a[k] == b[k]).sum().item() for k in a) / sum(v.numel() for v in a.values())
     print(f"\nQwen3-MoE int codes identical to llmcompressor 0.14: {same:.4%}")

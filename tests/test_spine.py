@@ -12,8 +12,9 @@ from safetensors.torch import load_file
 from compressed_tensors.quantization import fake_quantize
 
 from elastic_oneshot import gptq, oneshot
-from elastic_oneshot.data import calibration_samples, heldout_samples
+from elastic_oneshot.data import heldout_samples
 from elastic_oneshot.recipe import Recipe
+from peer import run_peer
 from tiny import make_model
 
 SAMPLES, SEQ, GROUP = 32, 128, 128
@@ -23,29 +24,6 @@ def int_codes(path):
     tensors = load_file(os.path.join(path, "model.safetensors"))
     return {k: unpack_from_int32(v, 4, tensors[k.replace("_packed", "_shape")])
             for k, v in tensors.items() if k.endswith("weight_packed")}, tensors
-
-
-def run_peer(model_dir, out, group_size, actorder):
-    """llmcompressor 0.14's oneshot on exactly our calibration tokens: the numerical oracle."""
-    from datasets import Dataset
-    from llmcompressor import oneshot as peer_oneshot
-    from llmcompressor.modifiers.gptq import GPTQModifier
-
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
-    ids = calibration_samples("builtin", tokenizer, SAMPLES, SEQ, seed=0)
-    # The peer visits samples in torch.argsort order of their (equal) lengths: order the dataset so that
-    # it visits them as we do, since fp32 sums depend on the order.
-    ids = ids[torch.argsort(torch.argsort(torch.tensor([SEQ] * SAMPLES), descending=True))]
-    ds = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist()})
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    recipe = GPTQModifier(
-        config_groups={"group_0": {"targets": ["Linear"], "weights": {
-            "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": group_size}}},
-        ignore=["lm_head"], actorder=actorder, dampening_frac=0.01, block_size=128)
-    peer_oneshot(model=model, dataset=ds, recipe=recipe, num_calibration_samples=SAMPLES,
-                 max_seq_length=SEQ, shuffle_calibration_samples=False, pipeline="sequential")
-    model.save_pretrained(out, save_compressed=True)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +39,7 @@ def test_parity_with_llmcompressor(tiny_llama, ours, group_size, tmp_path):
     if group_size != GROUP:
         ours = oneshot(model=tiny_llama, num_calibration_samples=SAMPLES, max_seq_length=SEQ,
                        group_size=group_size, output_dir=str(tmp_path / "ours"), chunk_size=SAMPLES)
-    theirs = run_peer(tiny_llama, str(tmp_path / "peer"), group_size=group_size, actorder="static")
+    theirs = run_peer(tiny_llama, str(tmp_path / "peer"), SAMPLES, SEQ, group_size)
     a, ta = int_codes(ours)
     b, tb = int_codes(theirs)
     assert a.keys() == b.keys() and len(a) == 4 * 7

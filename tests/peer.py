@@ -1,0 +1,34 @@
+"""llmcompressor 0.14's oneshot on exactly our calibration tokens: the oracle of the parity tests and the
+peer that bench/ times. llmcompressor is a test extra, so it is imported only when called."""
+
+import torch
+import transformers
+
+from elastic_oneshot.data import calibration_samples
+
+
+def run_peer(model_dir: str, out: str, samples: int, seq_len: int, group_size: int, moe: bool = False) -> str:
+    """W4A16 (symmetric int4 groups, static activation order, damping 0.01) written to `out`; with `moe`,
+    every expert calibrates on every token and the routers stay unquantized, as ours do."""
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.gptq import GPTQModifier
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    ids = calibration_samples("builtin", tokenizer, samples, seq_len, seed=0)
+    # The peer visits samples in torch.argsort order of their (equal) lengths: order the dataset so that
+    # it visits them as we do, since fp32 sums depend on the order.
+    ids = ids[torch.argsort(torch.argsort(torch.tensor([seq_len] * samples), descending=True))]
+    ds = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist()})
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    recipe = GPTQModifier(
+        config_groups={"group_0": {"targets": ["Linear"], "weights": {
+            "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": group_size}}},
+        ignore=["lm_head"] + (["re:.*mlp.gate$"] if moe else []), actorder="static", dampening_frac=0.01,
+        block_size=128)
+    oneshot(model=model, dataset=ds, recipe=recipe, num_calibration_samples=samples, max_seq_length=seq_len,
+            shuffle_calibration_samples=False, pipeline="sequential",
+            **({"moe_calibrate_all_experts": True} if moe else {}))
+    model.save_pretrained(out, save_compressed=True)
+    tokenizer.save_pretrained(out)
+    return out
