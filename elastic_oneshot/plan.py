@@ -180,13 +180,13 @@ def _fill(free: list[float], ready: float, rows: int, per_row: float, overhead: 
         if len(ranks) == 1 or start[ranks[-1]] < end - per_row:
             break
         ranks.pop()
-    shares = [(end - start[r]) / per_row for r in ranks]
+    ranks.sort()
     bounds, acc = [0], 0.0
-    for share in shares:
-        acc += share
+    for r in ranks:
+        acc += (end - start[r]) / per_row
         bounds.append(min(rows, max(bounds[-1] + 1, round(acc))))
     bounds[-1] = rows
-    return [(r, (lo, hi)) for r, lo, hi in zip(sorted(ranks), bounds, bounds[1:]) if lo < hi]
+    return [(r, (lo, hi)) for r, lo, hi in zip(ranks, bounds, bounds[1:]) if lo < hi]
 
 
 def peer_plan(groups: list[Group], world_size: int, cost: CostModel = CostModel()) -> Plan:
