@@ -101,6 +101,10 @@ class World:
         return dist.reduce(self._dev(tensor), dst=dst, op=dist.ReduceOp.SUM, async_op=True) \
             if self.distributed else None
 
+    def all_reduce(self, tensor: torch.Tensor):
+        """Async sum of `tensor` onto every rank (bitwise the same everywhere)."""
+        return dist.all_reduce(self._dev(tensor), op=dist.ReduceOp.SUM, async_op=True) if self.distributed else None
+
     def broadcast(self, tensor: torch.Tensor, src: int):
         return dist.broadcast(self._dev(tensor), src=src, async_op=True) if self.distributed else None
 

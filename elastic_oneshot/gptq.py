@@ -90,16 +90,24 @@ class Prepared:
         return cls(hinv, meta[:, :d].long(), meta[:, d:2 * d].bool(), damping)
 
 
-SHARED_INVERSE_COLS = 8192  # wider Hessians get their inverse in pieces that ranks can share
-INVERSE_PIECE = 512  # columns per piece: fixed, so results never depend on the world size
+SHARED_INVERSE_COLS = 8192  # wider Hessians get their Cholesky and inverse in pieces that ranks can share
+CHOLESKY_PANEL = 256  # columns per panel of the Cholesky factor, and
+INVERSE_PIECE = 512  # rows per piece of its inverse: fixed, so results never depend on the world size
+
+
+def _pieces(cols: int, size: int) -> list[tuple[int, int]]:
+    return [] if cols <= SHARED_INVERSE_COLS else [(j, min(j + size, cols)) for j in range(0, cols, size)]
+
+
+def cholesky_panels(cols: int) -> list[tuple[int, int]]:
+    """Column pieces of a wide Hessian's Cholesky factor; none for the others, whose inverse `factor`
+    computes whole with the peer's very steps (so their codes stay bit-identical to the peer's)."""
+    return _pieces(cols, CHOLESKY_PANEL)
 
 
 def inverse_pieces(cols: int) -> list[tuple[int, int]]:
-    """Column pieces of a wide Hessian's triangular inverse; none for the others, whose inverse `factor`
-    computes whole with the peer's very steps (so their codes stay bit-identical to the peer's)."""
-    if cols <= SHARED_INVERSE_COLS:
-        return []
-    return [(j, min(j + INVERSE_PIECE, cols)) for j in range(0, cols, INVERSE_PIECE)]
+    """Row pieces of a wide Hessian's triangular inverse; none for the others."""
+    return _pieces(cols, INVERSE_PIECE)
 
 
 def factor(hessian: torch.Tensor, actorder, dampening_frac: float = 0.01) -> Prepared:
@@ -107,6 +115,19 @@ def factor(hessian: torch.Tensor, actorder, dampening_frac: float = 0.01) -> Pre
     damped inverse's upper Cholesky factor; for wide ones (`inverse_pieces`) only the Cholesky factor L
     of the Hessian with rows and columns reversed, held in `hinv` until `invert`. Not positive definite:
     retried with more damping. No token reached it (all zero), or no damping helped: round-to-nearest."""
+    H, perm, dead, untouched = order(hessian, actorder)
+    cols = H.shape[-1]
+    out, damping = torch.empty_like(H), []
+    for b in range(H.shape[0]):
+        f, frac = (None, None) if untouched[b] else _damped_factor(H[b], dampening_frac, bool(cholesky_panels(cols)))
+        out[b] = torch.eye(cols, device=H.device) if f is None else f
+        damping.append(None if f is None else frac)
+    return Prepared(out, perm, dead, damping)
+
+
+def order(hessian: torch.Tensor, actorder):
+    """Hessians [B, d, d] in fp32 in the solve's column order, dead columns' diagonals set to 1; the order,
+    the dead columns, and which Hessians no token reached."""
     H = hessian.to(torch.float32).clone()
     batch, cols, _ = H.shape
     diag = torch.diagonal(H, dim1=-2, dim2=-1)
@@ -121,23 +142,22 @@ def factor(hessian: torch.Tensor, actorder, dampening_frac: float = 0.01) -> Pre
     untouched = dead.all(dim=-1)
     dead[untouched] = False
     diag.masked_fill_(dead, 1)
-    out, damping = torch.empty_like(H), []
-    for b in range(batch):
-        f, frac = (None, None) if untouched[b] else _damped_factor(H[b], dampening_frac, bool(inverse_pieces(cols)))
-        out[b] = torch.eye(cols, device=H.device) if f is None else f
-        damping.append(None if f is None else frac)
-    return Prepared(out, perm, dead, damping)
+    return H, perm, dead, untouched
+
+
+def damp(h: torch.Tensor, frac: float) -> torch.Tensor:
+    damped = h.clone()
+    damped.diagonal().add_(frac * torch.mean(torch.diag(h)))
+    return damped
 
 
 def _damped_factor(h: torch.Tensor, frac: float, wide: bool) -> tuple[torch.Tensor | None, float]:
-    mean_diag = torch.mean(torch.diag(h))
     for attempt in range(DAMPING_RETRIES + 1):
         f = frac if attempt == 0 else max(frac, 0.01) * 10**attempt
-        damped = h.clone()
-        damped.diagonal().add_(f * mean_diag)
+        damped = damp(h, f)
         if wide:  # in fp64: fp32 rounding here lands in the inverse factor's first rows, which GPTQ uses first
-            out, info = torch.linalg.cholesky_ex(damped.flip(0, 1).double())
-            out = out.float()
+            out = blocked_cholesky(reversed_columns(damped))
+            info = 0 if out is not None else 1
         else:  # the peer's steps: Cholesky, inverse, Cholesky of the inverse
             chol, info = torch.linalg.cholesky_ex(damped)
             if info == 0:
@@ -147,11 +167,55 @@ def _damped_factor(h: torch.Tensor, frac: float, wide: bool) -> tuple[torch.Tens
     return None, frac
 
 
-def inverse_columns(chol: torch.Tensor, start: int, end: int) -> torch.Tensor:
-    """Columns [start, end) of L^-1 ([d, d] lower triangular), rows start and below (those above are 0).
-    Pieces are independent, so ranks can share one inverse."""
-    eye = torch.eye(chol.shape[-1] - start, end - start, device=chol.device, dtype=chol.dtype)
-    return torch.linalg.solve_triangular(chol[start:, start:], eye, upper=False).contiguous()  # to broadcast
+def reversed_columns(damped: torch.Tensor) -> list[torch.Tensor]:
+    """The damped Hessian with rows and columns reversed, in fp64, as the lower parts of its column pieces
+    (piece j: rows start_j and below): what the blocked Cholesky works on, one piece per owner."""
+    a = damped.flip(0, 1).double()
+    return [a[s:, s:e].clone() for s, e in cholesky_panels(a.shape[-1])]
+
+
+def cholesky_panel(column: torch.Tensor) -> torch.Tensor:
+    """Piece k of L from its column, with every earlier panel's update applied; NaN if not positive definite."""
+    width = column.shape[-1]
+    top, info = torch.linalg.cholesky_ex(column[:width])
+    if info != 0:
+        return torch.full_like(column, float("nan"))
+    below = torch.linalg.solve_triangular(top.mT, column[width:], upper=True, left=False)
+    return torch.cat([top, below]).contiguous()
+
+
+def cholesky_update(column: torch.Tensor, panel: torch.Tensor, offset: int):
+    """Column piece j -= panel k's rows at and below j times its rows of piece j (offset: j's start minus k's)."""
+    column -= panel[offset:] @ panel[offset:offset + column.shape[-1]].mT
+
+
+def blocked_cholesky(columns: list[torch.Tensor]) -> torch.Tensor | None:
+    """The lower Cholesky factor (fp32) from `reversed_columns`, right-looking by pieces: the very steps that
+    ranks share, on one rank. None if not positive definite."""
+    spans, panels = cholesky_panels(sum(c.shape[-1] for c in columns)), []
+    for k, (start, _) in enumerate(spans):
+        panels.append(cholesky_panel(columns[k]))
+        for j in range(k + 1, len(spans)):
+            cholesky_update(columns[j], panels[k], spans[j][0] - start)
+    return lower_factor(panels)
+
+
+def lower_factor(panels: list[torch.Tensor]) -> torch.Tensor | None:
+    cols = panels[0].shape[0]
+    if any(p.isnan().any() for p in panels):
+        return None
+    chol = torch.zeros(cols, cols, dtype=torch.float32, device=panels[0].device)
+    for (start, end), panel in zip(cholesky_panels(cols), panels):
+        chol[start:, start:end] = panel
+    return chol
+
+
+def inverse_rows(chol: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """Rows [start, end) of L^-1, columns up to `end` (those after are 0): they need only L[:end, :end],
+    the panels up to `end`, so they can start while the Cholesky still runs; pieces are independent."""
+    eye = torch.zeros(end - start, end, device=chol.device, dtype=chol.dtype)
+    eye[:, start:].fill_diagonal_(1)
+    return torch.linalg.solve_triangular(chol[:end, :end], eye, upper=False, left=False).contiguous()
 
 
 def assemble(pieces: list[torch.Tensor], cols: int) -> torch.Tensor:
@@ -160,7 +224,7 @@ def assemble(pieces: list[torch.Tensor], cols: int) -> torch.Tensor:
     where the peer does three O(d^3) steps; equal up to rounding."""
     inv = pieces[0].new_zeros(cols, cols)
     for (start, end), piece in zip(inverse_pieces(cols), pieces):
-        inv[start:, start:end] = piece
+        inv[start:end, :end] = piece
     return inv.flip(0, 1)
 
 
@@ -169,7 +233,7 @@ def invert(factored: Prepared) -> Prepared:
     cols = factored.hinv.shape[-1]
     if not inverse_pieces(cols):
         return factored
-    hinv = torch.stack([assemble([inverse_columns(L, s, e) for s, e in inverse_pieces(cols)], cols)
+    hinv = torch.stack([assemble([inverse_rows(L, s, e) for s, e in inverse_pieces(cols)], cols)
                         for L in factored.hinv])
     return Prepared(hinv, factored.perm, factored.dead, factored.damping)
 

@@ -4,20 +4,22 @@ other modules.
 
 A unit of work is an input group (modules sharing a Hessian, their rows stacked), costed as
     factor = a * d^3                  (the peer's three steps to the inverse factor; d = input features)
-           = f * d^3                  (wide Hessians: Cholesky of the reversed Hessian, then
-    invert = i * (d - start)^2 * cols  one fixed piece of the triangular inverse, gptq.inverse_pieces)
+           = f * d^3                  (wide Hessians: a blocked fp64 Cholesky of the reversed Hessian in
+                                       panels and updates of fixed column pieces, gptq.inverse_pieces;
+    invert = i * end^2 * rows           row pieces of its triangular inverse, each once its panels are done)
     solve  = b * rows * d^2 + c * d   (the blocked solve; c is the per-column overhead of the loop)
 Most groups are done whole on one rank. A group costing more than half the ideal makespan (total / W)
-is shared, when that shortens the plan: one rank factors it, then the inverse's pieces (if wide) and
-the output rows spread over all ranks (rows are independent once the inverse is known). Steps are placed by list scheduling (earliest finish,
+is shared, when that shortens the plan: one rank factors it (a wide one: all ranks, by column pieces),
+then the inverse's pieces (if wide) and the output rows spread over all ranks (rows are independent once the inverse is known). Steps are placed by list scheduling (earliest finish,
 honouring those dependencies) and run in the order of their modeled start, so the plan's makespan
 is a simulation of the run, waits included.
 """
 
+import bisect
 import dataclasses
 import re
 
-from .gptq import inverse_pieces
+from .gptq import cholesky_panels, inverse_pieces
 
 # Sibling modules that read the same input tensor, and so share one Hessian.
 SHARED_INPUTS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -44,16 +46,22 @@ class CostModel:
     solve is far from BLAS speed: its column loop is bound by memory and per-column overhead."""
 
     a: float = 2.0e-11
-    f: float = 1.07e-11
-    i: float = 3.1e-11
+    f: float = 1.16e-11
+    i: float = 2.84e-11
     b: float = 6.4e-11
     c: float = 8.0e-5
 
     def factor(self, d: int) -> float:
-        return (self.f if inverse_pieces(d) else self.a) * d**3
+        return (self.f if cholesky_panels(d) else self.a) * d**3
+
+    def panel(self, d: int, start: int, end: int) -> float:  # 3f per flop: a Cholesky is d^3 / 3 flops
+        return 3 * self.f * ((end - start) ** 3 / 3 + (d - end) * (end - start) ** 2)
+
+    def update(self, d: int, start: int, end: int, width: int) -> float:
+        return 3 * self.f * 2 * (d - start) * (end - start) * width
 
     def invert(self, d: int, start: int, end: int) -> float:
-        return self.i * (d - start) ** 2 * (end - start)
+        return self.i * end**2 * (end - start)
 
     def solve(self, rows: int, d: int) -> float:
         return self.b * rows * d * d + self.c * d
@@ -87,7 +95,9 @@ def layer_groups(layer, names: list[str], all_experts: bool = False) -> list[Gro
 @dataclasses.dataclass(frozen=True)
 class Step:
     kind: str  # "whole": factor, invert and solve one group on one rank; or one step of a shared group:
-    # "factor", "invert" (columns start:end of the inverse) or "solve" (stacked rows start:end)
+    # "factor"; for wide ones instead "panel" (columns start:end of the Cholesky factor) and "update" (the
+    # piece starting at `end` minus the panel starting at `start`); "invert" (columns start:end of the
+    # inverse); "solve" (stacked rows start:end)
     group: Group
     start: int
     end: int
@@ -131,40 +141,76 @@ class Plan:
 
     def owners(self) -> dict[str, int]:
         """The rank that receives each group's Hessian (and writes its result)."""
-        return {s.group.name: s.rank for s in self.steps if s.kind in ("whole", "factor")}
+        owners = {}
+        for s in self.steps:
+            if s.kind in ("whole", "factor", "panel"):
+                owners.setdefault(s.group.name, s.rank)
+        return owners
 
     def shared(self, group: Group) -> bool:
-        return any(s.group is group and s.kind == "factor" for s in self.steps)
+        return any(s.group is group and s.kind != "whole" for s in self.steps)
 
 
 def make_plan(groups: list[Group], world_size: int, cost: CostModel = CostModel()) -> Plan:
-    """The shorter of two plans: every group whole, or the large ones shared."""
+    """The shortest plan of: every group whole; the large ones shared, wide Cholesky factors on one rank;
+    the same with wide factors spread (every variant computes the same bits)."""
     ideal = sum(cost.whole(g) for g in groups) / world_size
     large = [g for g in groups if world_size > 1 and cost.whole(g) > ideal / 2]
-    return min((_schedule(groups, world_size, cost, shared) for shared in ([], large)), key=lambda p: p.makespan)
+    return min((_schedule(groups, world_size, cost, shared, spread) for shared, spread in
+                (([], False), (large, False), (large, True))), key=lambda p: p.makespan)
 
 
-def _schedule(groups: list[Group], world_size: int, cost: CostModel, shared: list[Group]) -> Plan:
-    free, steps = [0.0] * world_size, []
+def _schedule(groups: list[Group], world_size: int, cost: CostModel, shared: list[Group], spread: bool) -> Plan:
+    busy: list[list[tuple[float, float]]] = [[] for _ in range(world_size)]
+    steps = []
+
+    def earliest(rank, ready, seconds):  # the first gap on `rank` after `ready` that fits
+        t = ready
+        for begin, end in busy[rank]:
+            if t + seconds <= begin:
+                return t
+            t = max(t, end)
+        return t
 
     def place(kind, g, start, end, seconds, ready, rank=None):
         if rank is None:
-            rank = min(range(world_size), key=lambda r: (max(free[r], ready) + seconds, r))
-        begin = max(free[rank], ready)
-        free[rank] = begin + seconds
+            rank = min(range(world_size), key=lambda r: (earliest(r, ready, seconds) + seconds, r))
+        begin = earliest(rank, ready, seconds)
+        bisect.insort(busy[rank], (begin, begin + seconds))
         steps.append(Step(kind, g, start, end, rank, begin, seconds))
         return begin + seconds
 
+    def free():
+        return [b[-1][1] if b else 0.0 for b in busy]
+
     # Factorizations others wait for first, largest first; then whole groups longest first (ties in
     # module order, so that the plan is a pure function of the shapes); then the shared inverses and rows.
-    factored = {g.name: place("factor", g, 0, 0, cost.factor(g.cols), 0.0)
-                for g in sorted(shared, key=lambda g: -g.cols)}
+    factored = {}
+    for g in sorted(shared, key=lambda g: -g.cols):
+        spans = cholesky_panels(g.cols)
+        if not (spans and spread):
+            factored[g.name] = place("factor", g, 0, 0, cost.factor(g.cols), 0.0)
+            continue
+        # Column pieces dealt round-robin from the rank free soonest; each owner applies every earlier
+        # panel to its pieces, in panel order.
+        ranks = sorted(range(world_size), key=lambda r: (free()[r], r))
+        ready, factored[g.name] = [0.0] * len(spans), []
+        for k, (start, end) in enumerate(spans):
+            done = place("panel", g, start, end, cost.panel(g.cols, start, end), ready[k], ranks[k % world_size])
+            factored[g.name].append(done)
+            for j in range(k + 1, len(spans)):
+                ready[j] = place("update", g, start, spans[j][0], cost.update(g.cols, *spans[j], end - start),
+                                 max(done, ready[j]), ranks[j % world_size])
     for g in sorted((g for g in groups if g not in shared), key=lambda g: -cost.whole(g)):
         place("whole", g, 0, g.rows, cost.whole(g), 0.0)
     for g in shared:
-        ready = max((place("invert", g, s, e, cost.invert(g.cols, s, e), factored[g.name])
-                     for s, e in inverse_pieces(g.cols)), default=factored[g.name])
-        for rank, (lo, hi) in _fill(free, ready, g.rows, cost.b * g.cols**2, cost.c * g.cols):
+        done = factored[g.name]  # when the factor is complete, or (spread) each panel
+
+        def needs(end):  # an inverse piece needs the panels before its end
+            return max(t for t, (s, _) in zip(done, cholesky_panels(g.cols)) if s < end) if spread else done
+        ready = max((place("invert", g, s, e, cost.invert(g.cols, s, e), needs(e))
+                     for s, e in sorted(inverse_pieces(g.cols), key=lambda p: -p[1])), default=done)
+        for rank, (lo, hi) in _fill(free(), ready, g.rows, cost.b * g.cols**2, cost.c * g.cols):
             place("solve", g, lo, hi, cost.solve(hi - lo, g.cols), ready, rank)
     order = {id(s): i for i, s in enumerate(steps)}
     steps.sort(key=lambda s: (s.begin, order[id(s)]))
@@ -211,8 +257,9 @@ def describe(plan: Plan) -> list[str]:
         names = []
         for s in mine:
             name = "+".join([s.group.modules[0][0]] + [n.rsplit(".", 1)[-1] for n, _ in s.group.modules[1:]])
-            names.append(name + {"whole": "", "factor": " factor", "invert": f" inverse[cols {s.start}:{s.end}]",
-                                 "solve": f"[rows {s.start}:{s.end}]"}[s.kind])
+            names.append(name + {"whole": "", "factor": " factor", "panel": f" cholesky[cols {s.start}:{s.end}]",
+                                 "update": f" update[{s.end}:] by [{s.start}:]",
+                                 "invert": f" inverse[rows {s.start}:{s.end}]", "solve": f"[rows {s.start}:{s.end}]"}[s.kind])
         shown = ", ".join(names) if len(names) <= 6 else f"{len(names)} steps"
         lines.append(f"  rank {rank}: {sum(s.cost for s in mine):8.3f} s  {shown}")
     lines.append(f"  makespan {plan.makespan:.3f} s, ideal {plan.total / plan.world_size:.3f} s, "

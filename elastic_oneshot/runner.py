@@ -300,8 +300,11 @@ class Runner:
         owners = plan.owners()
         me, args = self.rank, self.scheme.weights
         frac, block = self.job.recipe.dampening_frac, self.job.recipe.block_size
-        _wait([self.world.reduce_to(calib.hessian[g.name], owners[g.name]) for g in groups])
-        hessian = {g.name: calib.hessian[g.name] / self.job.num_samples for g in groups if owners[g.name] == me}
+        spread = {s.group.name for s in plan.steps if s.kind == "panel"}  # every rank factors a piece
+        _wait([self.world.all_reduce(calib.hessian[g.name]) if g.name in spread else
+               self.world.reduce_to(calib.hessian[g.name], owners[g.name]) for g in groups])
+        hessian = {g.name: calib.hessian[g.name] / self.job.num_samples for g in groups
+                   if owners[g.name] == me or g.name in spread}
         calib.hessian.clear()
 
         def rows(s):
@@ -320,13 +323,38 @@ class Runner:
         factors, pieces, prepared = {}, {}, {}  # shared groups: (L, meta) with their broadcasts; inverse pieces
         results, pending, tensors, notes = {}, [], {}, {}
 
+        def begin_spread(g):  # this rank's column pieces of a spread Cholesky, from the all-reduced Hessian
+            h, perm, dead, _ = gptq.order(hessian[g.name][None], args.actorder)
+            columns = gptq.reversed_columns(gptq.damp(h[0], frac))
+            chol = torch.zeros(g.cols, g.cols, device=self.device)
+            factors[g.name] = (chol, gptq.Prepared(chol[None], perm, dead, [frac]), columns, {})
+
+        def factor(g, end=None):  # a shared group's Cholesky factor (up to column `end`), and its order
+            if g.name in spread:
+                chol, meta, _, panels = factors[g.name]
+                for (start, stop), (panel, work, copied) in list(panels.items()):
+                    if start < (end or g.cols) and not copied:
+                        _wait([work])
+                        chol[start:, start:stop] = panel
+                        panels[(start, stop)] = (panel, work, True)
+                return chol, meta
+            (chol, meta), works = factors[g.name]
+            _wait(works)
+            return chol, meta
+
         def ready(g):  # a shared group's inverse, once its factor and every piece have arrived
             if g.name not in prepared:
-                (chol, meta), works = factors[g.name]
-                _wait(works + [w for _, w in pieces[g.name].values()])
+                chol, meta = factor(g)
+                _wait([w for _, w in pieces[g.name].values()])
                 spans = gptq.inverse_pieces(g.cols)
-                hinv = gptq.assemble([pieces[g.name][start][0] for start, _ in spans], g.cols) if spans else chol
-                prepared[g.name] = gptq.Prepared.unpack(hinv.unsqueeze(0), meta)
+                if g.name in spread and chol.isnan().any():  # not positive definite: every rank retries alone
+                    prepared[g.name] = gptq.prepare(hessian[g.name][None], args.actorder, frac)
+                elif g.name in spread:
+                    hinv = gptq.assemble([pieces[g.name][start][0] for start, _ in spans], g.cols)
+                    prepared[g.name] = gptq.Prepared(hinv[None], meta.perm, meta.dead, meta.damping)
+                else:
+                    hinv = gptq.assemble([pieces[g.name][start][0] for start, _ in spans], g.cols) if spans else chol
+                    prepared[g.name] = gptq.Prepared.unpack(hinv.unsqueeze(0), meta)
             return prepared[g.name]
 
         for s in plan.steps:
@@ -341,14 +369,29 @@ class Runner:
                 factors[g.name] = ((chol[0], meta), [self.world.broadcast(t, s.rank) for t in (chol, meta)])
                 pieces[g.name] = {}
                 continue
+            if s.kind in ("panel", "update"):
+                if g.name not in factors:
+                    begin_spread(g)
+                _, _, columns, panels = factors[g.name]
+                spans = gptq.cholesky_panels(g.cols)
+                if s.kind == "panel":
+                    span = (s.start, s.end)
+                    panel = gptq.cholesky_panel(columns[spans.index(span)]) if mine else \
+                        empty(g.cols - s.start, s.end - s.start, dtype=torch.float64)
+                    panels[span] = (panel, self.world.broadcast(panel, s.rank), False)
+                elif mine:  # update piece `end` with the panel at `start`
+                    panel, work, _ = next(v for (a, _), v in panels.items() if a == s.start)
+                    _wait([work])
+                    j = next(i for i, (a, _) in enumerate(spans) if a == s.end)
+                    gptq.cholesky_update(columns[j], panel, s.end - s.start)
+                continue
             if s.kind == "invert":
                 if mine:
-                    (chol, _), works = factors[g.name]
-                    _wait(works)
-                    piece = gptq.inverse_columns(chol, s.start, s.end)
+                    chol, _ = factor(g, s.end)
+                    piece = gptq.inverse_rows(chol, s.start, s.end)
                 else:
-                    piece = empty(g.cols - s.start, s.end - s.start)
-                pieces[g.name][s.start] = (piece, self.world.broadcast(piece, s.rank))
+                    piece = empty(s.end - s.start, s.end)
+                pieces.setdefault(g.name, {})[s.start] = (piece, self.world.broadcast(piece, s.rank))
                 continue
             key = (g.name, s.start)
             if mine and s.kind == "whole":
@@ -374,6 +417,8 @@ class Runner:
         _wait(pending)
 
         for g in groups:  # assemble row slices; persist the shared groups this rank owns
+            if g.name in spread and owners[g.name] == me:
+                note(g, ready(g).damping[0])
             if plan.shared(g):
                 parts = [results[(g.name, s.start)] for s in sorted(plan.steps, key=lambda s: s.start)
                          if s.group is g and s.kind == "solve"]

@@ -2,7 +2,7 @@
 
 import pytest
 
-from elastic_oneshot.gptq import inverse_pieces
+from elastic_oneshot.gptq import cholesky_panels, inverse_pieces
 from elastic_oneshot.plan import Group, make_plan, peer_plan
 
 LLAMA_3_8B = [Group((("q_proj", 4096), ("k_proj", 1024), ("v_proj", 1024)), 4096), Group((("o_proj", 4096),), 4096),
@@ -23,9 +23,21 @@ def test_plan_covers_every_row_and_piece_once_after_its_inputs(world):
         if plan.shared(g):
             pieces = sorted((s.start, s.end) for s in mine if s.kind == "invert")
             assert pieces == inverse_pieces(g.cols)
-            factored = max(end[(g.name, "factor")])
-            inverted = max(end.get((g.name, "invert"), [factored]))
-            assert all(s.begin >= factored for s in mine if s.kind == "invert")
+            panels = {(s.start, s.end): s for s in mine if s.kind == "panel"}
+            if panels:  # spread: every panel once, after every update of its column, which follows its panel
+                assert sorted(panels) == cholesky_panels(g.cols)
+                for u in (s for s in mine if s.kind == "update"):
+                    source, target = next(p for k, p in panels.items() if k[0] == u.start), \
+                        next(p for k, p in panels.items() if k[0] == u.end)
+                    assert source.begin + source.cost <= u.begin and u.begin + u.cost <= target.begin
+                    assert u.rank == target.rank
+                factored = {s.end: s.begin + s.cost for s in panels.values()}
+                assert all(s.begin >= max(t for e, t in factored.items() if e - 1 < s.end)
+                           for s in mine if s.kind == "invert")
+            else:
+                factored = max(end[(g.name, "factor")])
+                assert all(s.begin >= factored for s in mine if s.kind == "invert")
+            inverted = max(end.get((g.name, "invert"), [0.0]))
             assert all(s.begin >= inverted for s in mine if s.kind == "solve")
     for rank in range(world):  # a rank's steps run back to back in plan order
         mine = [s for s in plan.steps if s.rank == rank]
@@ -38,4 +50,4 @@ def test_sharing_the_wide_inverse_beats_the_peers_packing():
     ours, peer = serial / make_plan(LLAMA_3_8B, 4).makespan, peer_serial / peer_plan(LLAMA_3_8B, 4).makespan
     print(f"\nLlama-3-8B layer at W=4, modeled: ours {ours:.2f}x, peer's packing {peer:.2f}x")
     assert ours > 1.5 * peer
-    assert {s.kind for s in make_plan(LLAMA_3_8B, 4).steps} == {"whole", "factor", "invert", "solve"}
+    assert {s.kind for s in make_plan(LLAMA_3_8B, 4).steps} >= {"whole", "panel", "update", "invert", "solve"}
