@@ -5,8 +5,8 @@ scales from the original weight's min/max (fixed during the solve), static activ
 dead columns zeroed, damping 0.01 * mean(diag H). Three differences, all deliberate: a Cholesky
 failure retries with more damping before falling back to round-to-nearest; modules that share
 an input (and so a Hessian) are solved together as one matrix, their rows stacked; and for Hessians
-wider than SHARED_INVERSE_COLS the inverse factor comes from one Cholesky and one triangular inverse
-in fixed column pieces that ranks can share (the Cholesky in fp64; closer to exact than the peer's).
+wider than SHARED_INVERSE_COLS the inverse factor comes from a blocked fp64 Cholesky and a triangular
+inverse, both in fixed pieces that ranks share (closer to exact than the peer's three fp32 steps).
 """
 
 import dataclasses
@@ -112,7 +112,7 @@ def inverse_pieces(cols: int) -> list[tuple[int, int]]:
 
 def factor(hessian: torch.Tensor, actorder, dampening_frac: float = 0.01) -> Prepared:
     """The first O(d^3) step for a batch of Hessians [B, d, d]: activation order, dead columns, and the
-    damped inverse's upper Cholesky factor; for wide ones (`inverse_pieces`) only the Cholesky factor L
+    damped inverse's upper Cholesky factor; for wide ones (`cholesky_panels`) only the Cholesky factor L
     of the Hessian with rows and columns reversed, held in `hinv` until `invert`. Not positive definite:
     retried with more damping. No token reached it (all zero), or no damping helped: round-to-nearest."""
     H, perm, dead, untouched = order(hessian, actorder)

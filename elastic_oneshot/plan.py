@@ -3,16 +3,19 @@ and shapes only, so every rank computes the same plan and no collective can wait
 other modules.
 
 A unit of work is an input group (modules sharing a Hessian, their rows stacked), costed as
-    factor = a * d^3                  (the peer's three steps to the inverse factor; d = input features)
-           = f * d^3                  (wide Hessians: a blocked fp64 Cholesky of the reversed Hessian in
-                                       panels and updates of fixed column pieces, gptq.inverse_pieces;
-    invert = i * end^2 * rows           row pieces of its triangular inverse, each once its panels are done)
-    solve  = b * rows * d^2 + c * d   (the blocked solve; c is the per-column overhead of the loop)
+    factor = a * d^3                (the peer's three steps to the inverse factor; d = input features)
+    wide Hessians (gptq.cholesky_panels) instead: a blocked fp64 Cholesky of the reversed Hessian,
+    panel  = 3f * (w^3 / 3 + (d - end) * w^2)      one column panel of width w,
+    update = 3f * 2 * (d - start) * w * w'         a later column piece minus a panel's product,
+    invert = i * end^2 * rows                      a row piece of the triangular inverse;
+    solve  = b * rows * d^2 + c * d (the blocked solve; c is the per-column overhead of the loop).
 Most groups are done whole on one rank. A group costing more than half the ideal makespan (total / W)
-is shared, when that shortens the plan: one rank factors it (a wide one: all ranks, by column pieces),
-then the inverse's pieces (if wide) and the output rows spread over all ranks (rows are independent once the inverse is known). Steps are placed by list scheduling (earliest finish,
-honouring those dependencies) and run in the order of their modeled start, so the plan's makespan
-is a simulation of the run, waits included.
+is shared when that shortens the plan: one rank factors it, or for a wide one every rank factors the
+column pieces it owns (round robin) as the panels arrive; the inverse's row pieces start as soon as the
+panels they need are done; then the output rows are water-filled over the ranks (rows are independent
+once the inverse is known). Steps are placed by list scheduling (earliest finish, into the first gap
+that fits, honouring those dependencies) and run in the order of their modeled start, so the plan's
+makespan is a simulation of the run, waits included.
 """
 
 import bisect
@@ -259,7 +262,8 @@ def describe(plan: Plan) -> list[str]:
             name = "+".join([s.group.modules[0][0]] + [n.rsplit(".", 1)[-1] for n, _ in s.group.modules[1:]])
             names.append(name + {"whole": "", "factor": " factor", "panel": f" cholesky[cols {s.start}:{s.end}]",
                                  "update": f" update[{s.end}:] by [{s.start}:]",
-                                 "invert": f" inverse[rows {s.start}:{s.end}]", "solve": f"[rows {s.start}:{s.end}]"}[s.kind])
+                                 "invert": f" inverse[rows {s.start}:{s.end}]",
+                                 "solve": f"[rows {s.start}:{s.end}]"}[s.kind])
         shown = ", ".join(names) if len(names) <= 6 else f"{len(names)} steps"
         lines.append(f"  rank {rank}: {sum(s.cost for s in mine):8.3f} s  {shown}")
     lines.append(f"  makespan {plan.makespan:.3f} s, ideal {plan.total / plan.world_size:.3f} s, "

@@ -292,8 +292,8 @@ class Runner:
         """GPTQ `groups` across ranks by the plan. Each Hessian is reduced to its owner; every rank walks the
         plan's steps in order, computes its own (whole groups in batches of equal shape, as experts are)
         and issues a broadcast for every step whose result others need, so that no rank waits on a later
-        step. A shared group's factor and inverse pieces reach every rank; every rank ends with every
-        quantized weight; each group's owner persists it at once.
+        step. A shared group's factor (or Cholesky panels) and inverse pieces reach every rank; every rank
+        ends with every quantized weight; each group's owner persists it at once.
         Returns the compressed tensors of these groups and this rank's notes."""
         modules = dict(layer_module.named_modules())
         plan = make_plan(groups, self.world.size)
@@ -320,23 +320,26 @@ class Runner:
         wholes = [s for s in plan.steps if s.kind == "whole" and s.rank == me]
         batches = _batches(wholes, lambda s: (s.group.rows, s.group.cols),
                            lambda s: s.group.cols * (s.group.rows + s.group.cols))
-        factors, pieces, prepared = {}, {}, {}  # shared groups: (L, meta) with their broadcasts; inverse pieces
+        # shared groups: their factor and order (spread: also column pieces and panels by start column),
+        # inverse pieces, and the inverse once assembled
+        factors, pieces, prepared = {}, {}, {}
         results, pending, tensors, notes = {}, [], {}, {}
 
         def begin_spread(g):  # this rank's column pieces of a spread Cholesky, from the all-reduced Hessian
             h, perm, dead, _ = gptq.order(hessian[g.name][None], args.actorder)
-            columns = gptq.reversed_columns(gptq.damp(h[0], frac))
+            starts = [a for a, _ in gptq.cholesky_panels(g.cols)]
+            columns = dict(zip(starts, gptq.reversed_columns(gptq.damp(h[0], frac))))
             chol = torch.zeros(g.cols, g.cols, device=self.device)
             factors[g.name] = (chol, gptq.Prepared(chol[None], perm, dead, [frac]), columns, {})
 
         def factor(g, end=None):  # a shared group's Cholesky factor (up to column `end`), and its order
             if g.name in spread:
                 chol, meta, _, panels = factors[g.name]
-                for (start, stop), (panel, work, copied) in list(panels.items()):
+                for start, (panel, work, copied) in list(panels.items()):
                     if start < (end or g.cols) and not copied:
                         _wait([work])
-                        chol[start:, start:stop] = panel
-                        panels[(start, stop)] = (panel, work, True)
+                        chol[start:, start:start + panel.shape[-1]] = panel
+                        panels[start] = (panel, work, True)
                 return chol, meta
             (chol, meta), works = factors[g.name]
             _wait(works)
@@ -373,17 +376,14 @@ class Runner:
                 if g.name not in factors:
                     begin_spread(g)
                 _, _, columns, panels = factors[g.name]
-                spans = gptq.cholesky_panels(g.cols)
                 if s.kind == "panel":
-                    span = (s.start, s.end)
-                    panel = gptq.cholesky_panel(columns[spans.index(span)]) if mine else \
+                    panel = gptq.cholesky_panel(columns[s.start]) if mine else \
                         empty(g.cols - s.start, s.end - s.start, dtype=torch.float64)
-                    panels[span] = (panel, self.world.broadcast(panel, s.rank), False)
-                elif mine:  # update piece `end` with the panel at `start`
-                    panel, work, _ = next(v for (a, _), v in panels.items() if a == s.start)
+                    panels[s.start] = (panel, self.world.broadcast(panel, s.rank), False)
+                elif mine:  # update the column piece at `end` with the panel at `start`
+                    panel, work, _ = panels[s.start]
                     _wait([work])
-                    j = next(i for i, (a, _) in enumerate(spans) if a == s.end)
-                    gptq.cholesky_update(columns[j], panel, s.end - s.start)
+                    gptq.cholesky_update(columns[s.end], panel, s.end - s.start)
                 continue
             if s.kind == "invert":
                 if mine:
