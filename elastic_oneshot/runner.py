@@ -343,21 +343,19 @@ class Runner:
                 return chol, meta
             (chol, meta), works = factors[g.name]
             _wait(works)
-            return chol, meta
+            return chol, gptq.Prepared.unpack(chol[None], meta)
 
         def ready(g):  # a shared group's inverse, once its factor and every piece have arrived
             if g.name not in prepared:
                 chol, meta = factor(g)
-                _wait([w for _, w in pieces[g.name].values()])
-                spans = gptq.inverse_pieces(g.cols)
+                mine = pieces.get(g.name, {})
+                _wait([w for _, w in mine.values()])
                 if g.name in spread and chol.isnan().any():  # not positive definite: every rank retries alone
                     prepared[g.name] = gptq.prepare(hessian[g.name][None], args.actorder, frac)
-                elif g.name in spread:
-                    hinv = gptq.assemble([pieces[g.name][start][0] for start, _ in spans], g.cols)
-                    prepared[g.name] = gptq.Prepared(hinv[None], meta.perm, meta.dead, meta.damping)
                 else:
-                    hinv = gptq.assemble([pieces[g.name][start][0] for start, _ in spans], g.cols) if spans else chol
-                    prepared[g.name] = gptq.Prepared.unpack(hinv.unsqueeze(0), meta)
+                    spans = gptq.inverse_pieces(g.cols)
+                    hinv = gptq.assemble([mine[start][0] for start, _ in spans], g.cols) if spans else chol
+                    prepared[g.name] = gptq.Prepared(hinv[None], meta.perm, meta.dead, meta.damping)
             return prepared[g.name]
 
         for s in plan.steps:
@@ -370,7 +368,6 @@ class Runner:
                 else:
                     chol, meta = empty(1, g.cols, g.cols), empty(1, 2 * g.cols + 1, dtype=torch.float64)
                 factors[g.name] = ((chol[0], meta), [self.world.broadcast(t, s.rank) for t in (chol, meta)])
-                pieces[g.name] = {}
                 continue
             if s.kind in ("panel", "update"):
                 if g.name not in factors:
