@@ -20,23 +20,38 @@ from compressed_tensors.quantization.utils import calculate_qparams
 DAMPING_RETRIES = 3  # each retry multiplies the damping fraction by 10
 
 
-def hessian_add(acc: torch.Tensor, x: torch.Tensor, seq_len: int):
-    """acc (fp32) += sum over the sequences in `x` of 2 X^T X (normalized later by the sample count). `x`
-    is [batch, tokens, features], or [tokens, features] from modules that see tokens flattened (MoE
-    experts): then whole sequences of `seq_len` tokens when it holds whole sequences, else one set.
+HESSIAN_BLOCK = 192  # row blocks of the lower triangle
 
-    The terms are computed and summed exactly as the peer does (fp32, scaled by sqrt 2, same operand
-    layout, one sequence after another): GPTQ's rounding decisions are chaotic in the Hessian's last
-    bits. The caller sums these fp32 partials per chunk into an fp64 total, so that the total hardly
-    depends on how chunks are split across ranks.
+
+def hessian_add(acc: torch.Tensor, x: torch.Tensor, seq_len: int):
+    """acc (fp32) += sum over the sequences in `x` of 2 X^T X (normalized later by the sample count), in
+    its lower triangle, by row blocks (above the diagonal blocks nothing is written): `symmetric`
+    completes it. `x` is [batch, tokens, features], or [tokens, features] from modules that see tokens
+    flattened (MoE experts): then whole sequences of `seq_len` tokens when it holds whole sequences,
+    else one set.
+
+    The terms are computed and summed as the peer does (fp32, scaled by sqrt 2, same operand layout, one
+    sequence after another): GPTQ's rounding decisions are chaotic in the Hessian's last bits. Computing
+    the triangle by row blocks takes 0.56-0.67x the FLOPs of the full product, and on MKL its entries
+    equal the full product's bit for bit (the full product is exactly symmetric there). The caller sums
+    these fp32 partials per chunk into an fp64 total, so that the total hardly depends on how chunks are
+    split across ranks.
     """
     if x.dim() > 2:
         x = x.reshape(-1, *x.shape[-2:])
     else:
         x = x.reshape(-1, seq_len, x.shape[-1]) if x.shape[0] % seq_len == 0 else x.unsqueeze(0)
+    d = x.shape[-1]
     for seq in x:
         inp = math.sqrt(2) * seq.t().to(torch.float32)
-        acc += inp.matmul(inp.t())
+        for r in range(0, d, HESSIAN_BLOCK):
+            e = min(r + HESSIAN_BLOCK, d)
+            acc[r:e, :e] += inp[r:e].matmul(inp[:e].t())
+
+
+def symmetric(lower: torch.Tensor) -> torch.Tensor:
+    """The symmetric matrix whose lower triangle `lower` holds."""
+    return lower.tril() + lower.tril(-1).mT
 
 
 def qparams(weight: torch.Tensor, args: QuantizationArgs) -> tuple[torch.Tensor, torch.Tensor]:

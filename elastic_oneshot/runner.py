@@ -78,7 +78,7 @@ class Calibration:
 
     def end_chunk(self):
         for leader, partial in self.chunk.items():
-            self.hessian[leader] += partial
+            self.hessian[leader] += gptq.symmetric(partial)
             partial.zero_()
 
     def remove(self):
