@@ -36,6 +36,7 @@ def measure(cmd: list[str], log: str) -> tuple[float, float]:
 
 def layer_flops(model: str, samples: int, seq_len: int) -> dict[str, float]:
     """FLOPs per decoder layer by phase, from the model's shapes (attention counted as causal)."""
+    from elastic_oneshot import gptq
     from elastic_oneshot.model import SourceModel
     from elastic_oneshot.plan import input_groups
 
@@ -52,7 +53,8 @@ def layer_flops(model: str, samples: int, seq_len: int) -> dict[str, float]:
     for group in input_groups([n for n, _ in linears]):
         d = modules[group[0]].in_features
         rows = sum(modules[n].out_features for n in group)
-        hessian += 2 * d * d * tokens
+        block = gptq.HESSIAN_BLOCK  # the lower triangle by row blocks, as computed
+        hessian += sum(2 * (min(r + block, d) - r) * min(r + block, d) * tokens for r in range(0, d, block))
         solve += 4 / 3 * d**3 + 2 * rows * d * d
     last = linears[-1][1]  # the calibration pass stops before the last module runs
     return {"calibrate": forward - 2 * last.in_features * last.out_features * tokens,
