@@ -7,7 +7,6 @@ rest with a seeded generator.
 """
 
 import ast
-import functools
 import os
 import sysconfig
 
@@ -19,13 +18,13 @@ HOLDOUT_EVERY = 10  # block i is held out for evaluation when i % HOLDOUT_EVERY 
 POOL_FACTOR = 4  # read until the calibration pool holds this many times the samples asked for
 
 
-@functools.lru_cache(maxsize=1)
-def builtin_texts() -> list[str]:
-    """Docstrings of the standard library: real English prose on every machine with Python."""
+def builtin_texts():
+    """Docstrings of the standard library: real English prose on every machine with Python. Files are
+    parsed as the reader asks for more (all of them take about 6 s; a job reads a fraction)."""
     root = sysconfig.get_paths()["stdlib"]
     skip = {"test", "tests", "site-packages", "idlelib", "lib2to3", "__pycache__", "turtledemo",
             "ensurepip", "dist-packages"}
-    docs = []
+    found = False
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in skip and not d.startswith("config-"))
         for name in sorted(filenames):
@@ -40,11 +39,11 @@ def builtin_texts() -> list[str]:
                 if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
                     doc = ast.get_docstring(node)
                     if doc and len(doc) >= 200:
-                        docs.append(doc)
-    if not docs:
+                        found = True
+                        yield doc
+    if not found:
         raise UsageError(f"no docstrings found under {root}: the builtin dataset needs the standard "
                          "library's sources")
-    return docs
 
 
 def iter_texts(spec: str, text_column: str = "text"):

@@ -6,7 +6,6 @@ import hashlib
 import json
 import os
 import struct
-import threading
 
 import torch
 import transformers
@@ -152,28 +151,23 @@ class Embedder:
                              "embeddings, layers and norm: unsupported architecture")
         self.shell = shell.eval()
         self._kwargs: dict[int, list[dict]] = {}
-        # The read-ahead thread embeds the next chunk while the main thread asks for kwargs: one at a time,
-        # or one call's records mix into the other's.
-        self._lock = threading.RLock()
 
     def release(self):
         """Drop the embedding table (vocab x hidden) once layer 0 is done; it is read again if needed."""
-        with self._lock:
-            self.shell.embed_tokens = None
+        self.shell.embed_tokens = None
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Embedded hidden states for a batch of samples; caches the per-layer kwargs for its size."""
-        with self._lock:
-            if self.shell.embed_tokens is None:
-                self.shell.embed_tokens = self._load()
-            self.record.clear()
-            self.shell(input_ids=input_ids, use_cache=False)
-            hidden = self.record[0][0]
-            if input_ids.shape[0] not in self._kwargs:
-                self._kwargs[input_ids.shape[0]] = [self._layer_kwargs(args, kw) for _, args, kw in self.record]
-            self.record.clear()
-            return hidden
+        if self.shell.embed_tokens is None:
+            self.shell.embed_tokens = self._load()
+        self.record.clear()
+        self.shell(input_ids=input_ids, use_cache=False)
+        hidden = self.record[0][0]
+        if input_ids.shape[0] not in self._kwargs:
+            self._kwargs[input_ids.shape[0]] = [self._layer_kwargs(args, kw) for _, args, kw in self.record]
+        self.record.clear()
+        return hidden
 
     @staticmethod
     def _layer_kwargs(args, kwargs):
@@ -183,7 +177,6 @@ class Embedder:
         return {k: v for k, v in kwargs.items() if k not in ("past_key_values", "past_key_value")}
 
     def layer_kwargs(self, layer: int, batch: int, seq_len: int) -> dict:
-        with self._lock:
-            if batch not in self._kwargs:
-                self(torch.zeros(batch, seq_len, dtype=torch.int64))
-            return self._kwargs[batch][layer]
+        if batch not in self._kwargs:
+            self(torch.zeros(batch, seq_len, dtype=torch.int64))
+        return self._kwargs[batch][layer]

@@ -150,7 +150,10 @@ class Runner:
         for name in quantized:
             index = self._layer_of(name)
             self.layer_modules[index].append(name[len(f"{source.layer_prefix}{index}."):])
-        self.io = ThreadPoolExecutor(max_workers=1)
+        # The I/O thread only moves bytes (reads, checksums, writes), single-threaded: a second thread
+        # team in libgomp makes it throttle its spin-waits, and then small ops (MoE experts) run 2-4x
+        # slower; computing stays on the main thread, so its bits never depend on which thread ran it.
+        self.io = ThreadPoolExecutor(max_workers=1, initializer=torch.set_num_threads, initargs=(1,))
 
     def _layer_of(self, name: str) -> int:
         prefix = self.source.layer_prefix
@@ -226,19 +229,25 @@ class Runner:
         batch's attention scores outgrow the cache) and the same bits in every pass and replay."""
         return torch.cat([_output(module(sample, **self.kwargs(layer))) for sample in x.split(1)])
 
-    @torch.inference_mode()  # also when called from the read-ahead thread
-    def inputs(self, layer: int, chunk: int) -> torch.Tensor:
-        """Chunk's inputs to `layer`: the embeddings, or the committed boundary; recomputed from an
-        earlier boundary when the file is missing or fails its checksum."""
+    def read_boundary(self, layer: int, chunk: int) -> torch.Tensor | CorruptStateError:
+        """Chunk's committed inputs to `layer` > 0 as read from the state, or why they cannot be used
+        (the read-ahead runs this in the I/O thread; any recomputing is left to the main thread)."""
+        try:
+            return self.state.read_tensors(self.manifest(layer - 1)["boundary"][str(chunk)])["hidden_states"]
+        except CorruptStateError as e:
+            return e
+
+    def inputs(self, layer: int, chunk: int, read=None) -> torch.Tensor:
+        """Chunk's inputs to `layer`: the embeddings, or the committed boundary (`read`, if read ahead);
+        recomputed from an earlier boundary when the file is missing or fails its checksum."""
         if layer == 0:
             start, end = self.chunks[chunk]
             return self.embedder(self.tokens[start:end]).to(self.device)
-        record = self.manifest(layer - 1)["boundary"][str(chunk)]
-        try:
-            return self.state.read_tensors(record)["hidden_states"].to(self.device)
-        except CorruptStateError as e:
-            log.warning("boundary %d chunk %d: %s; recomputing it from committed layers", layer, chunk, e)
-            return self.replay(layer, chunk, record)
+        x = self.read_boundary(layer, chunk) if read is None else read
+        if isinstance(x, CorruptStateError):
+            log.warning("boundary %d chunk %d: %s; recomputing it from committed layers", layer, chunk, x)
+            return self.replay(layer, chunk, self.manifest(layer - 1)["boundary"][str(chunk)])
+        return x.to(self.device)
 
     def replay(self, layer: int, chunk: int, record: dict) -> torch.Tensor:
         start, x = layer - 1, None
@@ -263,9 +272,9 @@ class Runner:
         ahead = None
         for i, chunk in enumerate(self.mine):
             signals.check(f"in layer {layer}")
-            x = ahead.result() if ahead else self.inputs(layer, chunk)
-            if i + 1 < len(self.mine):
-                ahead = self.io.submit(self.inputs, layer, self.mine[i + 1])
+            x = self.inputs(layer, chunk, ahead.result() if ahead else None)
+            ahead = self.io.submit(self.read_boundary, layer, self.mine[i + 1]) \
+                if layer > 0 and i + 1 < len(self.mine) else None
             yield chunk, x
 
     # -- weights --------------------------------------------------------------------------------------

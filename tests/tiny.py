@@ -1,5 +1,6 @@
 """Tiny real transformers models and a real tokenizer, built locally (no hub)."""
 
+import itertools
 import json
 import os
 
@@ -36,7 +37,7 @@ def make_tokenizer(vocab_size: int = 512) -> transformers.PreTrainedTokenizerFas
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(builtin_texts()[:600], trainer)
+    tok.train_from_iterator(itertools.islice(builtin_texts(), 600), trainer)
     return transformers.PreTrainedTokenizerFast(
         tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
 
