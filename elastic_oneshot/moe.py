@@ -4,11 +4,20 @@ transformers 5 keeps a block's experts fused in 3D parameters; checkpoints keep 
 expert and projection. The block here holds the experts as Linear modules under the checkpoint's
 names, so each is read, calibrated and quantized like any other Linear. In all-experts calibration
 every expert runs on every token, so every expert gets a full Hessian, while the block's output
-still sums only the routed tokens with their routing weights: the output equals the original's.
+still sums only the routed tokens with their routing weights: the output equals the original's (the
+down projections compute only those rows; their Hessians still see every token).
 """
 
 import torch
 from transformers.activations import ACT2FN
+
+
+class RowsLinear(torch.nn.Linear):
+    """A Linear that can compute only some rows of its output while its hooks see the whole input: in
+    all-experts calibration the down projection's Hessian needs every token, the block only the routed."""
+
+    def forward(self, x, rows=None):
+        return super().forward(x if rows is None else x[rows])
 
 
 class Expert(torch.nn.Module):
@@ -16,11 +25,11 @@ class Expert(torch.nn.Module):
         super().__init__()
         self.gate_proj = torch.nn.Linear(hidden, intermediate, bias=False, dtype=dtype)
         self.up_proj = torch.nn.Linear(hidden, intermediate, bias=False, dtype=dtype)
-        self.down_proj = torch.nn.Linear(intermediate, hidden, bias=False, dtype=dtype)
+        self.down_proj = RowsLinear(intermediate, hidden, bias=False, dtype=dtype)
         self.act_fn = ACT2FN[act]
 
-    def forward(self, x):
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x, rows=None):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x), rows)
 
 
 class MoEBlock(torch.nn.Module):
@@ -52,7 +61,7 @@ class MoEBlock(torch.nn.Module):
         for index, expert in enumerate(self.experts):
             top_k_pos, tokens = torch.where(hit[index])
             if self.all_experts:
-                y = expert(x)[tokens]
+                y = expert(x, rows=tokens)
             elif tokens.numel():
                 y = expert(x[tokens])
             else:
