@@ -68,11 +68,12 @@ def oneshot(model: str | None = None, dataset: str = "builtin", scheme: str = "W
     record = job_record(job, source.digest(), source.num_layers)
     world.agree("the job (model, dataset, recipe and sampling arguments)", record["fingerprint"])
     world.agree("the coordinator", job.coordinator)
-    runner = Runner(job, state, source, world)  # validates the recipe against the model first
+    quantized = job.recipe.quantized_modules(source.skeleton)
+    check_divisible(job.recipe, source.linear_shapes(quantized))
+    runner = Runner(job, state, source, world, source.by_layer(quantized))
     error = world.broadcast_object(_claim(state, record, job, restart) if world.rank == 0 else None)
     if error:
         raise UsageError(error)
-    runner.tokens = state.tokens()
     detach = _attach(state, world, source.num_layers)
     fault = _record_faults(state, world, runner)
 
@@ -150,8 +151,9 @@ def _attach(state: StateStore, world: World, layers: int):
     return state.records.detach
 
 
-def plan(model: str, world_size: int, recipe: Recipe = Recipe(), layers: int | None = None) -> list[str]:
+def plan(model: str, world_size: int, recipe: Recipe | None = None, layers: int | None = None) -> list[str]:
     """The weight-parallel GPTQ plan of every layer, as text; needs only the model's config.json."""
+    recipe = recipe or Recipe()
     source = SourceModel(model)
     names = recipe.quantized_modules(source.skeleton)
     check_divisible(recipe, source.linear_shapes(names))

@@ -114,6 +114,18 @@ class SourceModel:
     def load_layer(self, index: int) -> torch.nn.Module:
         return self.load(self.layers[index], f"{self.layer_prefix}{index}.")
 
+    def by_layer(self, names: list[str]) -> list[list[str]]:
+        """Module names (full) per decoder layer, as names local to their layer. GPTQ runs layer by layer,
+        so a module outside the decoder layers is refused."""
+        out: list[list[str]] = [[] for _ in range(self.num_layers)]
+        for name in names:
+            if not name.startswith(self.layer_prefix):
+                raise UsageError(f"{name} is outside the decoder layers and cannot be quantized here: "
+                                 "add it to --ignore")
+            index, _, local = name[len(self.layer_prefix):].partition(".")
+            out[int(index)].append(local)
+        return out
+
     def linear_shapes(self, names) -> dict[str, tuple[int, int]]:
         modules = dict(self.skeleton.named_modules())
         return {n: tuple(modules[n].weight.shape) for n in names}

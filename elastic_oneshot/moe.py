@@ -8,6 +8,8 @@ still sums only the routed tokens with their routing weights: the output equals 
 down projections compute only those rows; their Hessians still see every token).
 """
 
+import contextlib
+
 import torch
 from transformers.activations import ACT2FN
 
@@ -35,7 +37,7 @@ class Expert(torch.nn.Module):
 class MoEBlock(torch.nn.Module):
     """Router (unchanged; it stays unquantized) plus experts as Linear modules."""
 
-    all_experts = False  # set by the runner during calibration passes with --moe-calibrate all
+    all_experts = False  # set by `experts_mode` during calibration passes with --moe-calibrate all
 
     def __init__(self, block: torch.nn.Module, act: str):
         super().__init__()
@@ -73,9 +75,22 @@ class MoEBlock(torch.nn.Module):
 def make_quantizable(model: torch.nn.Module, config) -> int:
     """Replace every fused sparse MoE block in `model` (on any device, meta included); return how many."""
     count = 0
-    for name, module in list(model.named_modules()):
+    for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
             if MoEBlock.replaces(child):
                 setattr(module, child_name, MoEBlock(child, config.hidden_act))
                 count += 1
     return count
+
+
+@contextlib.contextmanager
+def experts_mode(layer: torch.nn.Module, all_experts: bool):
+    """Run every expert on every token (all-experts calibration) inside; routed outside."""
+    blocks = [m for m in layer.modules() if isinstance(m, MoEBlock)]
+    for b in blocks:
+        b.all_experts = all_experts
+    try:
+        yield
+    finally:
+        for b in blocks:
+            b.all_experts = False

@@ -1,8 +1,9 @@
 """The layer loop: the only module that sequences the others.
 
-For each uncommitted layer: read its inputs (this rank's chunks of the last committed boundary),
-onload the layer from the checkpoint, accumulate Hessians in a calibration pass, run GPTQ, then a
-propagation pass with the quantized weights writes the next boundary, and a manifest commits it all.
+Every (re)start of the workers begins an epoch that fences off older workers. Then, for each
+uncommitted layer: onload it from the checkpoint, calibrate (Hessians over this rank's chunks),
+solve (GPTQ by the weight-parallel plan), propagate (the next layer's inputs, with the quantized
+weights), commit (rank 0 records the layer's files once every rank's writes are durable).
 """
 
 import contextlib
@@ -15,90 +16,19 @@ import torch
 from compressed_tensors.compressors import PackedQuantizationCompressor
 
 from . import gptq, signals
+from .calibration import Calibration
 from .data import chunk_bounds, partition
 from .dist import World
-from .errors import CorruptStateError, StaleEpochError, UsageError
+from .errors import CorruptStateError, StaleEpochError
+from .inputs import LayerInputs, to_device
 from .job import Job
-from .model import Embedder, SourceModel
-from .moe import MoEBlock
+from .model import SourceModel
+from .moe import experts_mode
 from .plan import Group, layer_groups, make_plan
 from .progress import LayerBar
-from .recipe import check_divisible
 from .state import StateStore
 
 log = logging.getLogger("elastic_oneshot")
-
-
-class _Stop(Exception):
-    """Raised by the last hooked module: the calibration pass needs no layer output."""
-
-
-class Calibration:
-    """Hooks that accumulate one Hessian per input group while the layer runs on calibration chunks:
-    in fp32 within a chunk, as the peer sums, then in fp64 across chunks (see gptq.hessian_add)."""
-
-    def __init__(self, layer: torch.nn.Module, groups: list[list[str]], device, seq_len: int):
-        modules = dict(layer.named_modules())
-        self.hessian = {g[0]: torch.zeros(modules[g[0]].in_features, modules[g[0]].in_features,
-                                          dtype=torch.float64, device=device) for g in groups}
-        self.chunk = {g: torch.zeros_like(h, dtype=torch.float32) for g, h in self.hessian.items()}
-        self.seconds, self.seq_len = 0.0, seq_len
-        self.order: list[str] = []
-        self.last = None
-        self._inputs: dict = {}
-        self._handles = [modules[name].register_forward_pre_hook(self._hook(name, g[0]))
-                         for g in groups for name in g]
-
-    def _hook(self, name, leader):
-        def hook(module, args):
-            x = args[0]
-            if name == leader:
-                t = time.perf_counter()
-                gptq.hessian_add(self.chunk[leader], x, self.seq_len)
-                self.seconds += time.perf_counter() - t
-                self._inputs[leader] = x
-            elif self._inputs.get(leader) is not x:
-                raise RuntimeError(f"{name} was expected to share its input with {leader}")
-            if self.last is None:
-                self.order.append(name)
-            elif self.last and name == self.last:
-                raise _Stop
-        return hook
-
-    def run(self, layer, x, kwargs):
-        try:
-            layer(x, **kwargs)
-        except _Stop:
-            pass
-        finally:
-            self._inputs.clear()
-        if self.last is None and self.order:
-            # Stop early from now on only if every hooked module ran (routed experts may not).
-            self.last = self.order[-1] if len(set(self.order)) == len(self._handles) else False
-
-    def end_chunk(self):
-        for leader, partial in self.chunk.items():
-            self.hessian[leader] += gptq.symmetric(partial)
-            partial.zero_()
-
-    def remove(self):
-        for h in self._handles:
-            h.remove()
-        self.chunk.clear()
-
-
-def _output(y):
-    return y[0] if isinstance(y, tuple) else y
-
-
-def _to(obj, device):
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_to(o, device) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _to(v, device) for k, v in obj.items()}
-    return obj
 
 
 def _batches(items: list, key, size, limit: int = 2**27) -> list[list]:
@@ -113,59 +43,44 @@ def _batches(items: list, key, size, limit: int = 2**27) -> list[list]:
     return out
 
 
-@contextlib.contextmanager
-def experts_mode(layer: torch.nn.Module, all_experts: bool):
-    """Run every expert on every token (all-experts calibration) inside; routed outside."""
-    blocks = [m for m in layer.modules() if isinstance(m, MoEBlock)]
-    for b in blocks:
-        b.all_experts = all_experts
-    try:
-        yield
-    finally:
-        for b in blocks:
-            b.all_experts = False
-
-
 def _wait(works):
     for w in works:
         if w is not None:
             w.wait()
 
 
+@contextlib.contextmanager
+def _timed(seconds: dict, phase: str):
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        seconds[phase] = seconds.get(phase, 0.0) + time.perf_counter() - start
+
+
 class Runner:
-    def __init__(self, job: Job, state: StateStore, source: SourceModel, world: World | None = None):
-        self.job, self.state, self.source = job, state, source
-        self.tokens = None  # the calibration samples, set once the state is claimed
-        self.world = world or World()
-        self.rank, self.device = self.world.rank, self.world.device
-        self.epoch, self.committed = 0, {}  # set by run(): this epoch, and layer -> epoch of its commit
+    """One rank's part of the job. `quantized` lists each layer's quantized modules (names local to the
+    layer)."""
+
+    def __init__(self, job: Job, state: StateStore, source: SourceModel, world: World, quantized: list[list[str]]):
+        self.job, self.state, self.source, self.world = job, state, source, world
+        self.rank, self.device = world.rank, world.device
+        self.epoch, self.committed = 0, {}  # set by begin_epoch(): this epoch, and layer -> epoch of its commit
         self.scheme = job.recipe.quant_scheme
         self.chunks = chunk_bounds(job.num_samples, job.chunk_size)
-        self.mine = list(partition(len(self.chunks), self.world.size, self.rank))
-        self._kwargs: dict = {}
-        self.embedder = Embedder(source)
-        quantized = job.recipe.quantized_modules(source.skeleton)
-        check_divisible(job.recipe, source.linear_shapes(quantized))
-        self.layer_modules: list[list[str]] = [[] for _ in range(source.num_layers)]
-        for name in quantized:
-            index = self._layer_of(name)
-            self.layer_modules[index].append(name[len(f"{source.layer_prefix}{index}."):])
-        # The I/O thread only moves bytes (reads, checksums, writes), single-threaded: a second thread
-        # team in libgomp makes it throttle its spin-waits, and then small ops (MoE experts) run 2-4x
-        # slower; computing stays on the main thread, so its bits never depend on which thread ran it.
+        self.layer_modules = quantized
+        # The I/O thread only moves bytes (reads, checksums, writes), with one OpenMP thread: a second
+        # libgomp team makes both throttle their spin-waits (small ops such as MoE experts slow down
+        # several times); computing stays on the main thread, so its bits never depend on the thread.
         self.io = ThreadPoolExecutor(max_workers=1, initializer=torch.set_num_threads, initargs=(1,))
-
-    def _layer_of(self, name: str) -> int:
-        prefix = self.source.layer_prefix
-        if not name.startswith(prefix):
-            raise UsageError(f"{name} is outside the decoder layers and cannot be quantized here: "
-                             "add it to --ignore")
-        return int(name[len(prefix):].split(".")[0])
+        own = list(partition(len(self.chunks), world.size, self.rank))
+        self.inputs = LayerInputs(state, source, job.seq_len, self.scheme, quantized, self.chunks, own,
+                                  self.device, self.io, self.manifest)
 
     def prefix(self, layer: int) -> str:
         return f"{self.source.layer_prefix}{layer}."
 
-    # -- the loop ------------------------------------------------------------------------------------
+    # -- epochs ---------------------------------------------------------------------------------------
     def verified(self) -> dict[int, int]:
         """Rank 0: the committed layers (layer -> epoch) whose records and weight files check out."""
         valid = {}
@@ -215,87 +130,73 @@ class Runner:
                 self.begin_epoch()
 
     def manifest(self, layer: int) -> dict:
+        """The commit of a layer committed in this epoch's view."""
         return self.state.records.manifest(layer, self.committed[layer])
 
-    # -- inputs -------------------------------------------------------------------------------------
-    def kwargs(self, layer: int) -> dict:
-        """What the layer takes besides hidden states (position embeddings, mask), for one sample."""
-        if layer not in self._kwargs:
-            self._kwargs[layer] = _to(self.embedder.layer_kwargs(layer, 1, self.job.seq_len), self.device)
-        return self._kwargs[layer]
+    # -- one layer ------------------------------------------------------------------------------------
+    def process(self, layer: int):
+        """One layer: calibrate, solve, propagate, commit."""
+        t0, seconds = time.perf_counter(), {}
+        if self.rank == 0:
+            self.state.append_event({"event": "layer", "layer": layer, "time": time.time(), "epoch": self.epoch})
+        with _timed(seconds, "load"):
+            module = self.source.load_layer(layer).to(self.device)
+            tensors, groups = self.reuse_solved(layer, module)
+        calib = self.calibrate(layer, module, groups, seconds)
+        with _timed(seconds, "gptq"):
+            self._written, self._writes = set(), []  # groups persisted by this rank in this attempt, their writes
+            solved, notes = self.solve(module, layer, calib, groups)
+            tensors.update(solved)
+        with _timed(seconds, "propagate"):
+            boundary = self.propagate(layer, module, tensors)
+        with _timed(seconds, "commit"):
+            self.commit(layer, boundary, notes, seconds)
+        if self.rank == 0:
+            self.state.append_event({"event": "commit", "layer": layer, "time": time.time(), "epoch": self.epoch,
+                                     "world_size": self.world.size, "seconds": seconds})
+        log.info("layer %d/%d committed in %.1f s (%s)", layer + 1, self.source.num_layers,
+                 time.perf_counter() - t0, ", ".join(f"{k} {v:.2f}" for k, v in seconds.items()))
+        self.progress.update(len(self.committed))
 
-    def forward(self, module, layer: int, x: torch.Tensor) -> torch.Tensor:
-        """The layer on a chunk, one sample at a time, as the peer runs it: cache-friendly on CPU (a
-        batch's attention scores outgrow the cache) and the same bits in every pass and replay."""
-        return torch.cat([_output(module(sample, **self.kwargs(layer))) for sample in x.split(1)])
-
-    def read_boundary(self, layer: int, chunk: int) -> torch.Tensor | CorruptStateError:
-        """Chunk's committed inputs to `layer` > 0 as read from the state, or why they cannot be used
-        (the read-ahead runs this in the I/O thread; any recomputing is left to the main thread)."""
-        try:
-            return self.state.read_tensors(self.manifest(layer - 1)["boundary"][str(chunk)])["hidden_states"]
-        except CorruptStateError as e:
-            return e
-
-    def inputs(self, layer: int, chunk: int, read=None) -> torch.Tensor:
-        """Chunk's inputs to `layer`: the embeddings, or the committed boundary (`read`, if read ahead);
-        recomputed from an earlier boundary when the file is missing or fails its checksum."""
-        if layer == 0:
-            start, end = self.chunks[chunk]
-            return self.embedder(self.tokens[start:end]).to(self.device)
-        x = self.read_boundary(layer, chunk) if read is None else read
-        if isinstance(x, CorruptStateError):
-            log.warning("boundary %d chunk %d: %s; recomputing it from committed layers", layer, chunk, x)
-            return self.replay(layer, chunk, self.manifest(layer - 1)["boundary"][str(chunk)])
-        return x.to(self.device)
-
-    def replay(self, layer: int, chunk: int, record: dict) -> torch.Tensor:
-        start, x = layer - 1, None
-        while start > 0 and x is None:
-            try:
-                record_in = self.manifest(start - 1)["boundary"][str(chunk)]
-                x = self.state.read_tensors(record_in)["hidden_states"].to(self.device)
-            except (CorruptStateError, KeyError, TypeError):
-                start -= 1
-        if x is None:
-            x = self.inputs(0, chunk)
-        for index in range(start, layer):
-            x = self.forward(self.quantized_layer(index), index, x)
-        rewritten = self.state.write_tensors(record["path"], {"hidden_states": x.cpu()})
-        if rewritten["sha256"] != record["sha256"]:
-            raise RuntimeError(f"recomputing {record['path']} from layers {start}..{layer - 1} did not "
-                               "reproduce the committed file: the computation is not deterministic here")
-        return x
-
-    def each_input(self, layer: int):
-        """This rank's chunks with their inputs, the next one read ahead in the background."""
-        ahead = None
-        for i, chunk in enumerate(self.mine):
-            signals.check(f"in layer {layer}")
-            x = self.inputs(layer, chunk, ahead.result() if ahead else None)
-            ahead = self.io.submit(self.read_boundary, layer, self.mine[i + 1]) \
-                if layer > 0 and i + 1 < len(self.mine) else None
-            yield chunk, x
-
-    # -- weights --------------------------------------------------------------------------------------
-    def apply_quantized(self, layer_module, layer: int, tensors: dict):
-        """Replace the layer's quantized weights by the committed ones, decompressed: the exact values
-        the propagation pass (and any later recomputation) uses."""
-        modules = dict(layer_module.named_modules())
-        names = PackedQuantizationCompressor.compression_param_names(self.scheme)
-        for name in self.layer_modules[layer]:
-            full = self.prefix(layer) + name
-            packed = {k.split(".")[-1]: tensors[f"{full}.{k}"] for k in names}
-            weight = PackedQuantizationCompressor.decompress(packed, self.scheme)["weight"]
-            modules[name].weight = torch.nn.Parameter(weight.to(modules[name].weight.dtype), requires_grad=False)
-
-    def quantized_layer(self, layer: int):
-        module = self.source.load_layer(layer).to(self.device)
+    def reuse_solved(self, layer: int, module) -> tuple[dict, list[Group]]:
+        """Sub-layer progress: the compressed tensors of the groups an earlier attempt solved, and the
+        groups still to solve."""
+        groups = layer_groups(module, self.layer_modules[layer], self.job.moe_calibrate == "all")
+        records = self.world.broadcast_object(self.state.solved(layer, self.epoch) if self.rank == 0 else None)
         tensors = {}
-        for record in self.manifest(layer)["weights"]:
-            tensors.update(_to(self.state.read_tensors(record), self.device))
-        self.apply_quantized(module, layer, tensors)
-        return module
+        for r in records:
+            tensors.update(to_device(self.state.read_tensors(r["file"]), self.device))
+        done = {name for r in records for name in r["groups"]}
+        if done and self.rank == 0:
+            log.info("layer %d: %d of %d groups were solved before this restart; solving the other %d", layer,
+                     len(done), len(groups), len(groups) - len(done))
+        return tensors, [g for g in groups if g.name not in done]
+
+    def calibrate(self, layer: int, module, groups: list[Group], seconds: dict) -> Calibration:
+        """Hessians of `groups` over this rank's chunks (not yet reduced across ranks)."""
+        start = time.perf_counter()
+        calib = Calibration(module, [[n for n, _ in g.modules] for g in groups], self.device, self.job.seq_len)
+        with experts_mode(module, self.job.moe_calibrate == "all"):
+            for _, x in self.inputs.each(layer):
+                for sample in x.split(1):
+                    calib.run(module, sample, self.inputs.kwargs(layer))
+                calib.end_chunk()
+        calib.remove()
+        seconds["hessian"] = calib.seconds
+        seconds["calibrate"] = time.perf_counter() - start - calib.seconds
+        return calib
+
+    def propagate(self, layer: int, module, tensors: dict) -> dict:
+        """The next layer's inputs for this rank's chunks, through the quantized layer, written by the I/O
+        thread; chunk -> the write's future."""
+        self.inputs.unpack(module, layer, tensors)
+        boundary = {}
+        if layer < self.source.num_layers - 1:
+            for chunk, x in self.inputs.each(layer):
+                y = self.inputs.forward(module, layer, x).cpu()
+                rel = f"boundaries/{layer + 1:05d}/e{self.epoch:05d}/chunk-{chunk:05d}.safetensors"
+                boundary[chunk] = self.io.submit(self.state.write_tensors, rel, {"hidden_states": y})
+        return boundary
 
     def solve(self, layer_module, layer: int, calib: Calibration, groups: list[Group]) -> tuple[dict, dict]:
         """GPTQ `groups` across ranks by the plan. Each Hessian is reduced to its owner; every rank walks the
@@ -471,59 +372,8 @@ class Runner:
             log.warning("layer %d %s: Hessian not positive definite at damping %.3g; used %.3g", layer,
                         names, self.job.recipe.dampening_frac, damping)
 
-    # -- one layer ----------------------------------------------------------------------------------
-    def reuse_solved(self, layer: int) -> tuple[dict, list[dict]]:
-        """Groups of this layer solved by an earlier attempt (sub-layer progress): their tensors, records."""
-        records = self.world.broadcast_object(self.state.solved(layer, self.epoch) if self.rank == 0 else None)
-        tensors = {}
-        for r in records:
-            tensors.update(_to(self.state.read_tensors(r["file"]), self.device))
-        return tensors, records
-
-    def process(self, layer: int):
-        t0 = time.perf_counter()
-        seconds = {}
-        if self.rank == 0:
-            self.state.append_event({"event": "layer", "layer": layer, "time": time.time(), "epoch": self.epoch})
-        module = self.source.load_layer(layer).to(self.device)
-        all_experts = self.job.moe_calibrate == "all"
-        groups = layer_groups(module, self.layer_modules[layer], all_experts)
-        tensors, reused = self.reuse_solved(layer)
-        done = {name for r in reused for name in r["groups"]}
-        if done and self.rank == 0:
-            log.info("layer %d: %d of %d groups were solved before this restart; solving the other %d", layer,
-                     len(done), len(groups), len(groups) - len(done))
-        groups = [g for g in groups if g.name not in done]
-        calib = Calibration(module, [[n for n, _ in g.modules] for g in groups], self.device, self.job.seq_len)
-        t = time.perf_counter()
-        seconds["load"] = t - t0
-        with experts_mode(module, all_experts):
-            for chunk, x in self.each_input(layer):
-                for sample in x.split(1):
-                    calib.run(module, sample, self.kwargs(layer))
-                calib.end_chunk()
-        calib.remove()
-        seconds["hessian"] = calib.seconds
-        seconds["calibrate"] = time.perf_counter() - t - calib.seconds
-
-        t = time.perf_counter()
-        self._written, self._writes = set(), []  # groups persisted by this rank in this attempt, their writes
-        solved, notes = self.solve(module, layer, calib, groups)
-        tensors.update(solved)
-        del calib
-        seconds["gptq"] = time.perf_counter() - t
-
-        t = time.perf_counter()
-        self.apply_quantized(module, layer, tensors)
-        boundary = {}
-        if layer < self.source.num_layers - 1:
-            for chunk, x in self.each_input(layer):
-                y = self.forward(module, layer, x).cpu()
-                rel = f"boundaries/{layer + 1:05d}/e{self.epoch:05d}/chunk-{chunk:05d}.safetensors"
-                boundary[chunk] = self.io.submit(self.state.write_tensors, rel, {"hidden_states": y})
-        seconds["propagate"] = time.perf_counter() - t
-
-        t = time.perf_counter()
+    def commit(self, layer: int, boundary: dict, notes: dict, seconds: dict):
+        """Once every rank's writes are durable, rank 0 commits the layer; then the layer counts as done."""
         for f in self._writes:
             f.result()
         mine = {"notes": notes,
@@ -540,13 +390,6 @@ class Runner:
         self.world.barrier()
         self.committed[layer] = self.epoch
         if layer == 0:
-            self.embedder.release()
+            self.inputs.embedder.release()
         if self.rank == 0:
             self.state.prune_boundaries(below=layer, epoch=self.epoch)
-        seconds["commit"] = time.perf_counter() - t
-        if self.rank == 0:
-            self.state.append_event({"event": "commit", "layer": layer, "time": time.time(), "epoch": self.epoch,
-                                     "world_size": self.world.size, "seconds": seconds})
-        log.info("layer %d/%d committed in %.1f s (%s)", layer + 1, self.source.num_layers,
-                 time.perf_counter() - t0, ", ".join(f"{k} {v:.2f}" for k, v in seconds.items()))
-        self.progress.update(len(self.committed))
