@@ -25,7 +25,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--group-size", type=int, help="default: the scheme's (128); -1 for per-channel")
     run.add_argument("--asym", action="store_true", help="asymmetric quantization (with zero points)")
-    run.add_argument("--actorder", default="static", choices=["static", "group", "none"])
+    run.add_argument("--actorder", default="static", choices=["static", "none"])
     run.add_argument("--dampening-frac", type=float, default=0.01)
     run.add_argument("--block-size", type=int, default=128)
     run.add_argument("--ignore", action="append", default=[],

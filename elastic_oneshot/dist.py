@@ -38,7 +38,7 @@ class World:
             threading.Thread(target=self._liveness, args=(timeout_s,), name="liveness", daemon=True).start()
 
     def _liveness(self, bound_s: float):
-        """Heartbeats through the process group's store. A rank that sees a peer silent for `bound_s`
+        """Heartbeats through the process group's store. A rank that sees another rank silent for `bound_s`
         (frozen, or cut off), or cannot reach the store, leaves: its agent restarts the workers and the
         new rendezvous goes on without the silent node. Commits are atomic, so leaving is always safe."""
         store = dist.distributed_c10d._get_default_store()
@@ -48,14 +48,14 @@ class World:
             while not self._stop.is_set():
                 store.add(f"elastic_oneshot/alive/{self.rank}", 1)
                 now = time.monotonic()
-                for peer, (count, since) in seen.items():
-                    current = store.add(f"elastic_oneshot/alive/{peer}", 0)
+                for other, (count, since) in seen.items():
+                    current = store.add(f"elastic_oneshot/alive/{other}", 0)
                     if current != count:
-                        seen[peer] = (current, now)
+                        seen[other] = (current, now)
                     elif now - since > bound_s:
-                        raise TimeoutError(f"rank {peer} silent for {now - since:.0f} s")
+                        raise TimeoutError(f"rank {other} silent for {now - since:.0f} s")
                 self._stop.wait(interval)
-        except Exception as e:  # the store itself may be the silent peer's
+        except Exception as e:  # the store itself may be the silent rank's
             if self._stop.is_set():
                 return
             log.error("liveness: %s; leaving so that the job can go on without it", e)
@@ -116,7 +116,7 @@ class World:
         return tensor
 
     def close(self):
-        """Leave together: nobody is mistaken for a silent peer while the others finish."""
+        """Leave together: nobody is mistaken for a silent rank while the others finish."""
         if self.distributed and dist.is_initialized():
             dist.barrier()
             self._stop.set()

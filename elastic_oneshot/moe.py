@@ -72,15 +72,12 @@ class MoEBlock(torch.nn.Module):
         return out.reshape(shape)
 
 
-def make_quantizable(model: torch.nn.Module, config) -> int:
-    """Replace every fused sparse MoE block in `model` (on any device, meta included); return how many."""
-    count = 0
+def make_quantizable(model: torch.nn.Module, config):
+    """Replace every fused sparse MoE block in `model` (on any device, meta included)."""
     for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
             if MoEBlock.replaces(child):
                 setattr(module, child_name, MoEBlock(child, config.hidden_act))
-                count += 1
-    return count
 
 
 @contextlib.contextmanager

@@ -44,10 +44,6 @@ def on_request(callback):
     _on_request.append(callback)
 
 
-def requested() -> bool:
-    return _requested.is_set()
-
-
 def check(where: str):
     if _requested.is_set():
         raise Preempted(f"stopped by SIGTERM {where}")
