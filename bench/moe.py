@@ -17,10 +17,7 @@ import time
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))
-
-from peer import run_peer  # noqa: E402  (tests/peer.py: llmcompressor on our tokens)
+from elastic_oneshot.testing.peer import run_peer  # llmcompressor on our tokens
 
 SHAPES = {  # name: (layers, experts, hidden, expert intermediate)
     "tiny (2 layers, 8 experts)": (2, 8, 128, 64),
@@ -31,7 +28,7 @@ SHAPES = {  # name: (layers, experts, hidden, expert intermediate)
 def make(path: str, layers: int, experts: int, hidden: int, inter: int) -> str:
     import transformers
 
-    from tiny import make_tokenizer
+    from elastic_oneshot.testing.tiny import make_tokenizer
 
     if os.path.isfile(os.path.join(path, "config.json")):
         return path

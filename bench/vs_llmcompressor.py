@@ -16,10 +16,7 @@ import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))
-
-from peer import run_peer  # noqa: E402  (tests/peer.py: llmcompressor on our tokens)
+from elastic_oneshot.testing.peer import run_peer  # llmcompressor on our tokens
 
 
 def measure(cmd: list[str], log: str) -> tuple[float, float]:

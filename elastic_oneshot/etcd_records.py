@@ -2,7 +2,7 @@
 files (weights, boundaries, tokens, job.json, events) stay in the state directory on shared storage.
 
     etcd://127.0.0.1:2379/jobs/llama-w4                      plain http
-    etcd://h:2379/jobs/x?cacert=ca.pem&cert=me.pem&key=me.key  TLS, with a client certificate (all three, or cacert only)
+    etcd://h:2379/jobs/x?cacert=ca.pem&cert=me.pem&key=me.key  TLS with a client certificate (all three, or cacert only)
     etcd://h:2379/jobs/x?user=u&password=p                   etcd authentication (or set ELASTIC_ONESHOT_ETCD_PASSWORD)
     further options: ttl=10 (s, worker leases), retry_timeout=8 (s of retrying an unreachable etcd)
 
@@ -37,7 +37,7 @@ Choices:
   soon will): a partitioned node stops writing files. Safety does not rest on it (a stale epoch cannot commit,
   and a commit compares the committer's liveness key). 10 s rides through an etcd restart (about 2-4 s here)
   without disturbing the workers, and matches the rendezvous' own retry budget: a longer outage ends the agents.
-- Retries (tenacity, through rendezvous.etcd_v3._Etcd): only reads, idempotent puts and compare-and-set
+- Retries (tenacity, through etcd_client.EtcdClient): only reads, idempotent puts and compare-and-set
   transactions, each on this rank's own connection, never inside a collective; jittered exponential backoff for
   at most retry_timeout (8 s: below the process-group timeout and the rendezvous timeouts, so a commit stuck on
   etcd fails before its peers give up on it). A compare-and-set retried after a lost reply recognises its own
@@ -58,10 +58,8 @@ import urllib.parse
 import uuid
 
 from .errors import CorruptStateError, StaleEpochError, UsageError
-from .rendezvous.etcd_v3 import _Etcd, _is_transient  # sets up protobuf for etcd3 before importing it
-
-import etcd3  # noqa: E402,I100
-from etcd3.transactions import Delete, Get, Mod, Put, Value, Version  # noqa: E402
+from .etcd_client import Delete, EtcdClient, Get, Mod, Put, Value, Version, etcd3, is_transient
+from .records import Records
 
 log = logging.getLogger("elastic_oneshot")
 
@@ -104,25 +102,9 @@ def redact(url: str) -> str:
     return urllib.parse.urlunsplit(parts._replace(query=urllib.parse.urlencode(query, safe="/:.,")))
 
 
-class _RecordsEtcd(_Etcd):
-    def refresh(self, lease_id: int) -> int:
-        """One keep-alive of `lease_id` (never retried: the caller's loop is the retry); its remaining TTL, 0 when
-        etcd no longer holds the lease."""
-        client = None
-        try:
-            client = self.client()
-            responses = list(client.refresh_lease(lease_id))
-        except Exception as exc:
-            if _is_transient(exc):
-                self._drop(client)
-            raise
-        return responses[0].TTL if responses else 0
-
-
-class EtcdRecords:
-    """Epoch fences, commits and progress in etcd: the interface of state.FileRecords (epochs, current_epoch,
-    committed, begin_epoch, manifest, commit), plus claim/adopt (the job owns the prefix), attach/detach (a
-    rank's lease), fence, progress and watch_progress. See the module docstring."""
+class EtcdRecords(Records):
+    """Epoch fences, commits and progress in etcd (see the module docstring), with all of records.Records: claim
+    and adopt (the job owns the prefix), attach/detach (a rank's lease), progress and watch_progress."""
 
     def __init__(self, host: str, port: int = 2379, prefix: str = "/elastic-oneshot/", *, cacert=None, cert=None,
                  key=None, user=None, password=None, ttl: float = DEFAULT_TTL,
@@ -130,8 +112,8 @@ class EtcdRecords:
         if user and password is None:
             password = os.environ.get(PASSWORD_ENV)
         try:
-            self.etcd = _RecordsEtcd(host, port, cacert=cacert, cert=cert, key=key, user=user, password=password,
-                                     retry_timeout=retry_timeout, where="the --coordinator URL")
+            self.etcd = EtcdClient(host, port, cacert=cacert, cert=cert, key=key, user=user, password=password,
+                                    retry_timeout=retry_timeout, where="the --coordinator URL")
         except ValueError as e:
             raise UsageError(str(e)) from None
         self.prefix = prefix if prefix.endswith("/") else prefix + "/"
@@ -147,7 +129,7 @@ class EtcdRecords:
         self._manifests: dict[tuple[int, int], dict] = {}  # commits never change (only claim drops them)
 
     @classmethod
-    def from_url(cls, url: str) -> "EtcdRecords":
+    def from_url(cls, url: str) -> EtcdRecords:
         p = parse_url(url)
         o = p["options"]
         try:
@@ -185,7 +167,7 @@ class EtcdRecords:
     def _txn(self, compare, success, failure=()):
         return self.etcd.call("transaction", compare=list(compare), success=list(success), failure=list(failure))
 
-    # -- the FileRecords interface --------------------------------------------------------------------------
+    # -- the Records interface ------------------------------------------------------------------------------
     def epochs(self) -> list[int]:
         return sorted(int(n) for n in self._keys("epochs/") if n.isdigit())
 
@@ -268,7 +250,8 @@ class EtcdRecords:
         if not ok and not (responses[0] and responses[0][0][0] == body):  # else: ours, reply lost before a retry
             held = [kvs[0][0].decode() if kvs else None for kvs in responses[:3]]
             if held[1] != str(epoch):
-                raise StaleEpochError(f"epoch {epoch} is stale (epoch {held[1]} has begun): layer {layer} not committed")
+                raise StaleEpochError(f"epoch {epoch} is stale (epoch {held[1]} has begun): layer {layer} "
+                                      "not committed")
             if held[0] is not None:
                 raise StaleEpochError(f"layer {layer} was already committed in epoch {epoch}")
             self._check_alive(responses[3:])
@@ -353,7 +336,7 @@ class EtcdRecords:
             if sent - last_ok > self.ttl:
                 return self.on_lost(f"no keep-alive of its etcd lease for {sent - last_ok:.1f} s (TTL {self.ttl:g} s)")
             try:
-                ttl = self.etcd.refresh(self._lease)
+                ttl = self.etcd.refresh_lease(self._lease)
             except Exception as e:
                 if failing is None:
                     log.warning("etcd lease keep-alive failed (%s); the lease lasts %g s", e, self.ttl)
@@ -408,7 +391,7 @@ class EtcdRecords:
             try:
                 progress, revision = self._read_progress()
             except Exception as e:
-                if not _is_transient(e) and not _is_transient(e.__cause__ or e):
+                if not is_transient(e) and not is_transient(e.__cause__ or e):
                     raise
                 progress, revision = None, seen
             if progress is not None and revision != seen:
@@ -420,7 +403,4 @@ class EtcdRecords:
 
     def close(self):
         self.detach()
-        with self.etcd._lock:
-            if self.etcd._client is not None:
-                self.etcd._client.close()
-                self.etcd._client = None
+        self.etcd.close()

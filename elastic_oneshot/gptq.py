@@ -5,8 +5,9 @@ scales from the original weight's min/max (fixed during the solve), static activ
 dead columns zeroed, damping 0.01 * mean(diag H). Three differences, all deliberate: a Cholesky
 failure retries with more damping before falling back to round-to-nearest; modules that share
 an input (and so a Hessian) are solved together as one matrix, their rows stacked; and for Hessians
-wider than SHARED_INVERSE_COLS the inverse factor comes from a blocked fp64 Cholesky and a triangular
-inverse, both in fixed pieces that ranks share (closer to exact than the peer's three fp32 steps).
+wider than cholesky.SHARED_INVERSE_COLS the inverse factor comes from a blocked fp64 Cholesky and a
+triangular inverse, both in fixed pieces that ranks share (cholesky.py; closer to exact than the peer's
+three fp32 steps).
 """
 
 import dataclasses
@@ -16,6 +17,8 @@ from copy import copy
 import torch
 from compressed_tensors.quantization import QuantizationArgs, QuantizationStrategy, fake_quantize
 from compressed_tensors.quantization.utils import calculate_qparams
+
+from .cholesky import assemble, blocked_cholesky, cholesky_panels, inverse_pieces, inverse_rows, reversed_columns
 
 DAMPING_RETRIES = 3  # each retry multiplies the damping fraction by 10
 
@@ -65,12 +68,11 @@ def qparams(weight: torch.Tensor, args: QuantizationArgs) -> tuple[torch.Tensor,
 
 @dataclasses.dataclass
 class Result:
-    """A batch of solved matrices [B, rows, cols]."""
+    """Solved matrices, [B, rows, cols] for a batch (or one matrix's [rows, cols])."""
 
     weight: torch.Tensor  # fake-quantized: exactly representable by (codes, scale, zero point)
     scale: torch.Tensor
     zero_point: torch.Tensor
-    loss: torch.Tensor  # [B]
 
 
 @dataclasses.dataclass
@@ -79,65 +81,47 @@ class Prepared:
     row slice."""
 
     hinv: torch.Tensor  # [B, d, d] upper Cholesky factor of the damped inverse, in the permuted order
-    # (for wide Hessians, from `factor` until `invert`: the Cholesky factor of the reversed Hessian)
     perm: torch.Tensor  # [B, d] column order of the solve (identity without activation ordering)
     dead: torch.Tensor  # [B, d] columns no calibration token touched
     damping: list  # per matrix: the dampening fraction that worked; None: round-to-nearest
 
-    def __getitem__(self, index: slice) -> "Prepared":
-        return Prepared(self.hinv[index], self.perm[index], self.dead[index], self.damping[index])
-
-    @staticmethod
-    def cat(parts: list["Prepared"]) -> "Prepared":
-        return Prepared(torch.cat([p.hinv for p in parts]), torch.cat([p.perm for p in parts]),
-                        torch.cat([p.dead for p in parts]), [d for p in parts for d in p.damping])
-
     def pack(self) -> tuple[torch.Tensor, torch.Tensor]:
         """As two tensors, to send to another rank."""
-        damping = torch.tensor([[float("nan") if d is None else d] for d in self.damping],
-                               dtype=torch.float64, device=self.perm.device)
-        return self.hinv, torch.cat([self.perm.double(), self.dead.double(), damping], dim=1)
+        return self.hinv, _pack_order(self.perm, self.dead, self.damping)
 
     @classmethod
     def unpack(cls, hinv: torch.Tensor, meta: torch.Tensor) -> "Prepared":
-        d = hinv.shape[-1]
-        damping = [None if math.isnan(v) else v for v in meta[:, 2 * d].tolist()]
-        return cls(hinv, meta[:, :d].long(), meta[:, d:2 * d].bool(), damping)
+        return cls(hinv, *_unpack_order(meta, hinv.shape[-1]))
 
 
-SHARED_INVERSE_COLS = 8192  # wider Hessians get their Cholesky and inverse in pieces that ranks can share
-CHOLESKY_PANEL = 256  # columns per panel of the Cholesky factor, and
-INVERSE_PIECE = 512  # rows per piece of its inverse: fixed, so results never depend on the world size
+@dataclasses.dataclass
+class Factored:
+    """Wide Hessians (cholesky.cholesky_panels) half way to `Prepared`: their Cholesky factor, whose
+    triangular inverse (in pieces that ranks can share) gives the inverse factor."""
+
+    chol: torch.Tensor  # [B, d, d] lower Cholesky factor of the damped Hessian with rows and columns reversed
+    perm: torch.Tensor  # perm, dead and damping as in Prepared
+    dead: torch.Tensor
+    damping: list
+
+    def pack(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.chol, _pack_order(self.perm, self.dead, self.damping)
+
+    @classmethod
+    def unpack(cls, chol: torch.Tensor, meta: torch.Tensor) -> "Factored":
+        return cls(chol, *_unpack_order(meta, chol.shape[-1]))
 
 
-def _pieces(cols: int, size: int) -> list[tuple[int, int]]:
-    return [] if cols <= SHARED_INVERSE_COLS else [(j, min(j + size, cols)) for j in range(0, cols, size)]
+def _pack_order(perm: torch.Tensor, dead: torch.Tensor, damping: list) -> torch.Tensor:
+    """[B, 2d + 1] fp64: the order, dead columns and damping in one tensor (exact: d < 2^53)."""
+    damping = torch.tensor([[float("nan") if d is None else d] for d in damping], dtype=torch.float64,
+                           device=perm.device)
+    return torch.cat([perm.double(), dead.double(), damping], dim=1)
 
 
-def cholesky_panels(cols: int) -> list[tuple[int, int]]:
-    """Column pieces of a wide Hessian's Cholesky factor; none for the others, whose inverse `factor`
-    computes whole with the peer's very steps (so their codes stay bit-identical to the peer's)."""
-    return _pieces(cols, CHOLESKY_PANEL)
-
-
-def inverse_pieces(cols: int) -> list[tuple[int, int]]:
-    """Row pieces of a wide Hessian's triangular inverse; none for the others."""
-    return _pieces(cols, INVERSE_PIECE)
-
-
-def factor(hessian: torch.Tensor, actorder, dampening_frac: float = 0.01) -> Prepared:
-    """The first O(d^3) step for a batch of Hessians [B, d, d]: activation order, dead columns, and the
-    damped inverse's upper Cholesky factor; for wide ones (`cholesky_panels`) only the Cholesky factor L
-    of the Hessian with rows and columns reversed, held in `hinv` until `invert`. Not positive definite:
-    retried with more damping. No token reached it (all zero), or no damping helped: round-to-nearest."""
-    H, perm, dead, untouched = order(hessian, actorder)
-    cols = H.shape[-1]
-    out, damping = torch.empty_like(H), []
-    for b in range(H.shape[0]):
-        f, frac = (None, None) if untouched[b] else _damped_factor(H[b], dampening_frac, bool(cholesky_panels(cols)))
-        out[b] = torch.eye(cols, device=H.device) if f is None else f
-        damping.append(None if f is None else frac)
-    return Prepared(out, perm, dead, damping)
+def _unpack_order(meta: torch.Tensor, d: int) -> tuple[torch.Tensor, torch.Tensor, list]:
+    damping = [None if math.isnan(v) else v for v in meta[:, 2 * d].tolist()]
+    return meta[:, :d].long(), meta[:, d:2 * d].bool(), damping
 
 
 def order(hessian: torch.Tensor, actorder):
@@ -166,6 +150,22 @@ def damp(h: torch.Tensor, frac: float) -> torch.Tensor:
     return damped
 
 
+def factor(hessian: torch.Tensor, actorder, dampening_frac: float = 0.01) -> Prepared | Factored:
+    """The first O(d^3) step for a batch of Hessians [B, d, d]: activation order, dead columns, and the
+    damped inverse's upper Cholesky factor; for wide ones (cholesky.cholesky_panels) only the Cholesky
+    factor, which `invert` completes. Not positive definite: retried with more damping. No token reached
+    it (all zero), or no damping helped: round-to-nearest (an identity factor)."""
+    H, perm, dead, untouched = order(hessian, actorder)
+    cols = H.shape[-1]
+    wide = bool(cholesky_panels(cols))
+    out, damping = torch.empty_like(H), []
+    for b in range(H.shape[0]):
+        f, frac = (None, None) if untouched[b] else _damped_factor(H[b], dampening_frac, wide)
+        out[b] = torch.eye(cols, device=H.device) if f is None else f
+        damping.append(None if f is None else frac)
+    return (Factored if wide else Prepared)(out, perm, dead, damping)
+
+
 def _damped_factor(h: torch.Tensor, frac: float, wide: bool) -> tuple[torch.Tensor | None, float]:
     for attempt in range(DAMPING_RETRIES + 1):
         f = frac if attempt == 0 else max(frac, 0.01) * 10**attempt
@@ -182,74 +182,14 @@ def _damped_factor(h: torch.Tensor, frac: float, wide: bool) -> tuple[torch.Tens
     return None, frac
 
 
-def reversed_columns(damped: torch.Tensor) -> list[torch.Tensor]:
-    """The damped Hessian with rows and columns reversed, in fp64, as the lower parts of its column pieces
-    (piece j: rows start_j and below): what the blocked Cholesky works on, one piece per owner."""
-    a = damped.flip(0, 1).double()
-    return [a[s:, s:e].clone() for s, e in cholesky_panels(a.shape[-1])]
-
-
-def cholesky_panel(column: torch.Tensor) -> torch.Tensor:
-    """Piece k of L from its column, with every earlier panel's update applied; NaN if not positive definite."""
-    width = column.shape[-1]
-    top, info = torch.linalg.cholesky_ex(column[:width])
-    if info != 0:
-        return torch.full_like(column, float("nan"))
-    below = torch.linalg.solve_triangular(top.mT, column[width:], upper=True, left=False)
-    return torch.cat([top, below]).contiguous()
-
-
-def cholesky_update(column: torch.Tensor, panel: torch.Tensor, offset: int):
-    """Column piece j -= panel k's rows at and below j times its rows of piece j (offset: j's start minus k's)."""
-    column -= panel[offset:] @ panel[offset:offset + column.shape[-1]].mT
-
-
-def blocked_cholesky(columns: list[torch.Tensor]) -> torch.Tensor | None:
-    """The lower Cholesky factor (fp32) from `reversed_columns`, right-looking by pieces: the very steps that
-    ranks share, on one rank. None if not positive definite."""
-    spans, panels = cholesky_panels(sum(c.shape[-1] for c in columns)), []
-    for k, (start, _) in enumerate(spans):
-        panels.append(cholesky_panel(columns[k]))
-        for j in range(k + 1, len(spans)):
-            cholesky_update(columns[j], panels[k], spans[j][0] - start)
-    return lower_factor(panels)
-
-
-def lower_factor(panels: list[torch.Tensor]) -> torch.Tensor | None:
-    cols = panels[0].shape[0]
-    if any(p.isnan().any() for p in panels):
-        return None
-    chol = torch.zeros(cols, cols, dtype=torch.float32, device=panels[0].device)
-    for (start, end), panel in zip(cholesky_panels(cols), panels):
-        chol[start:, start:end] = panel
-    return chol
-
-
-def inverse_rows(chol: torch.Tensor, start: int, end: int) -> torch.Tensor:
-    """Rows [start, end) of L^-1, columns up to `end` (those after are 0): they need only L[:end, :end],
-    the panels up to `end`, so they can start while the Cholesky still runs; pieces are independent."""
-    eye = torch.zeros(end - start, end, device=chol.device, dtype=chol.dtype)
-    eye[:, start:].fill_diagonal_(1)
-    return torch.linalg.solve_triangular(chol[:end, :end], eye, upper=False, left=False).contiguous()
-
-
-def assemble(pieces: list[torch.Tensor], cols: int) -> torch.Tensor:
-    """The upper Cholesky factor of H^-1 from the pieces of L^-1 (L from the reversed H): reversing
-    rows and columns of L^-1 gives U with U^T U = H^-1. One factorization and one triangular inverse,
-    where the peer does three O(d^3) steps; equal up to rounding."""
-    inv = pieces[0].new_zeros(cols, cols)
-    for (start, end), piece in zip(inverse_pieces(cols), pieces):
-        inv[start:end, :end] = piece
-    return inv.flip(0, 1)
-
-
-def invert(factored: Prepared) -> Prepared:
-    """`factor`'s result made ready to solve, on one rank."""
-    cols = factored.hinv.shape[-1]
-    if not inverse_pieces(cols):
+def invert(factored: Prepared | Factored) -> Prepared:
+    """`factor`'s result made ready to solve, on one rank: for wide Hessians, the triangular inverse of
+    the Cholesky factor by the pieces that ranks can share."""
+    if isinstance(factored, Prepared):
         return factored
+    cols = factored.chol.shape[-1]
     hinv = torch.stack([assemble([inverse_rows(L, s, e) for s, e in inverse_pieces(cols)], cols)
-                        for L in factored.hinv])
+                        for L in factored.chol])
     return Prepared(hinv, factored.perm, factored.dead, factored.damping)
 
 
@@ -273,7 +213,6 @@ def solve(weight: torch.Tensor, prep: Prepared, args: QuantizationArgs, block_si
 
     column_args = copy(args)
     column_args.strategy = QuantizationStrategy.CHANNEL
-    loss = torch.zeros(batch, rows, device=W.device)
     for i1 in range(0, cols, block_size):
         i2 = min(i1 + block_size, cols)
         window = g_idx[:, i1:i2].unsqueeze(-2).expand(-1, rows, -1)
@@ -290,13 +229,12 @@ def solve(weight: torch.Tensor, prep: Prepared, args: QuantizationArgs, block_si
             err = (w - q) / Hinv1[:, i, i].unsqueeze(-1)
             W1[:, :, i] = q
             Err1[:, :, i] = err
-            loss += err.square() / 2
             W1[:, :, i + 1:] -= err.unsqueeze(-1) * Hinv1[:, i, i + 1:].unsqueeze(-2)
         W[:, :, i1:i2] = W1
         W[:, :, i2:] -= torch.bmm(Err1, Hinv[:, i1:i2, i2:])
 
     W = torch.gather(W, -1, torch.argsort(perm, dim=-1).unsqueeze(-2).expand(-1, rows, -1))
-    return Result(W.to(weight.dtype), scale.to(weight.dtype), zero_point, loss.sum(-1))
+    return Result(W.to(weight.dtype), scale.to(weight.dtype), zero_point)
 
 
 def quantize(weight: torch.Tensor, hessian: torch.Tensor, args: QuantizationArgs,
@@ -304,4 +242,4 @@ def quantize(weight: torch.Tensor, hessian: torch.Tensor, args: QuantizationArgs
     """GPTQ one weight matrix [rows, cols] against its normalized Hessian [cols, cols]."""
     prep = prepare(hessian.unsqueeze(0), args.actorder, dampening_frac)
     r = solve(weight.unsqueeze(0), prep, args, block_size)
-    return Result(r.weight[0], r.scale[0], r.zero_point[0], r.loss[0]), prep
+    return Result(r.weight[0], r.scale[0], r.zero_point[0]), prep

@@ -15,7 +15,7 @@ from concurrent.futures import Executor
 import torch
 
 from . import signals
-from .errors import CorruptStateError
+from .errors import CorruptStateError, UsageError
 from .model import Embedder, SourceModel
 from .packing import unpack_into
 from .state import StateStore
@@ -123,6 +123,7 @@ class LayerInputs:
             x = self.forward(self.quantized_layer(index), index, x)
         rewritten = self.state.write_tensors(record["path"], {"hidden_states": x.cpu()})
         if rewritten["sha256"] != record["sha256"]:
-            raise RuntimeError(f"recomputing {record['path']} from layers {start}..{layer - 1} did not "
-                               "reproduce the committed file: the computation is not deterministic here")
+            raise UsageError(f"recomputing {record['path']} from layers {start}..{layer - 1} did not reproduce the "
+                             "committed file: the computation is not deterministic here; resume with the thread count "
+                             "(OMP_NUM_THREADS) and hardware that wrote the state, or use --restart")
         return x

@@ -4,7 +4,7 @@ other modules.
 
 A unit of work is an input group (modules sharing a Hessian, their rows stacked), costed as
     factor = a * d^3                (the peer's three steps to the inverse factor; d = input features)
-    wide Hessians (gptq.cholesky_panels) instead: a blocked fp64 Cholesky of the reversed Hessian,
+    wide Hessians (cholesky.cholesky_panels) instead: a blocked fp64 Cholesky of the reversed Hessian,
     panel  = 3f * (w^3 / 3 + (d - end) * w^2)      one column panel of width w,
     update = 3f * 2 * (d - start) * w * w'         a later column piece minus a panel's product,
     invert = i * end^2 * rows                      a row piece of the triangular inverse;
@@ -20,9 +20,10 @@ makespan is a simulation of the run, waits included.
 
 import bisect
 import dataclasses
+import enum
 import re
 
-from .gptq import cholesky_panels, inverse_pieces
+from .cholesky import cholesky_panels, inverse_pieces
 
 # Sibling modules that read the same input tensor, and so share one Hessian.
 SHARED_INPUTS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -95,18 +96,25 @@ def layer_groups(layer, names: list[str], all_experts: bool = False) -> list[Gro
             for g in input_groups(names, all_experts)]
 
 
+class StepKind(enum.Enum):
+    WHOLE = "whole"  # factor, invert and solve one group on one rank; or one step of a shared group:
+    FACTOR = "factor"  # its inverse factor (for a wide group: its Cholesky factor) on one rank; or, spread,
+    PANEL = "panel"  # columns start:end of the Cholesky factor, and
+    UPDATE = "update"  # the column piece start:end minus the product of an earlier panel (the one at `panel`);
+    INVERT = "invert"  # rows start:end of the Cholesky factor's triangular inverse;
+    SOLVE = "solve"  # the stacked rows start:end
+
+
 @dataclasses.dataclass(frozen=True)
 class Step:
-    kind: str  # "whole": factor, invert and solve one group on one rank; or one step of a shared group:
-    # "factor"; for wide ones instead "panel" (columns start:end of the Cholesky factor) and "update" (the
-    # piece starting at `end` minus the panel starting at `start`); "invert" (columns start:end of the
-    # inverse); "solve" (stacked rows start:end)
+    kind: StepKind
     group: Group
     start: int
     end: int
     rank: int
     begin: float  # modeled start and duration, seconds
     cost: float
+    panel: int | None = None  # update steps: the first column of the panel they apply
 
     def pieces(self):
         """(module, first row, last row) of each module a whole or solve step covers, in module-local rows."""
@@ -146,12 +154,12 @@ class Plan:
         """The rank that receives each group's Hessian (and writes its result)."""
         owners = {}
         for s in self.steps:
-            if s.kind in ("whole", "factor", "panel"):
+            if s.kind in (StepKind.WHOLE, StepKind.FACTOR, StepKind.PANEL):
                 owners.setdefault(s.group.name, s.rank)
         return owners
 
     def shared(self, group: Group) -> bool:
-        return any(s.group is group and s.kind != "whole" for s in self.steps)
+        return any(s.group is group and s.kind != StepKind.WHOLE for s in self.steps)
 
 
 def make_plan(groups: list[Group], world_size: int, cost: CostModel = CostModel()) -> Plan:
@@ -175,12 +183,12 @@ def _schedule(groups: list[Group], world_size: int, cost: CostModel, shared: lis
             t = max(t, end)
         return t
 
-    def place(kind, g, start, end, seconds, ready, rank=None):
+    def place(kind, g, start, end, seconds, ready, rank=None, panel=None):
         if rank is None:
             rank = min(range(world_size), key=lambda r: (earliest(r, ready, seconds) + seconds, r))
         begin = earliest(rank, ready, seconds)
         bisect.insort(busy[rank], (begin, begin + seconds))
-        steps.append(Step(kind, g, start, end, rank, begin, seconds))
+        steps.append(Step(kind, g, start, end, rank, begin, seconds, panel))
         return begin + seconds
 
     def free():
@@ -192,29 +200,30 @@ def _schedule(groups: list[Group], world_size: int, cost: CostModel, shared: lis
     for g in sorted(shared, key=lambda g: -g.cols):
         spans = cholesky_panels(g.cols)
         if not (spans and spread):
-            factored[g.name] = place("factor", g, 0, 0, cost.factor(g.cols), 0.0)
+            factored[g.name] = place(StepKind.FACTOR, g, 0, 0, cost.factor(g.cols), 0.0)
             continue
         # Column pieces dealt round-robin from the rank free soonest; each owner applies every earlier
         # panel to its pieces, in panel order.
         ranks = sorted(range(world_size), key=lambda r: (free()[r], r))
         ready, factored[g.name] = [0.0] * len(spans), []
         for k, (start, end) in enumerate(spans):
-            done = place("panel", g, start, end, cost.panel(g.cols, start, end), ready[k], ranks[k % world_size])
+            done = place(StepKind.PANEL, g, start, end, cost.panel(g.cols, start, end), ready[k],
+                         ranks[k % world_size])
             factored[g.name].append(done)
             for j in range(k + 1, len(spans)):
-                ready[j] = place("update", g, start, spans[j][0], cost.update(g.cols, *spans[j], end - start),
-                                 max(done, ready[j]), ranks[j % world_size])
+                ready[j] = place(StepKind.UPDATE, g, *spans[j], cost.update(g.cols, *spans[j], end - start),
+                                 max(done, ready[j]), ranks[j % world_size], panel=start)
     for g in sorted((g for g in groups if g not in shared), key=lambda g: -cost.whole(g)):
-        place("whole", g, 0, g.rows, cost.whole(g), 0.0)
+        place(StepKind.WHOLE, g, 0, g.rows, cost.whole(g), 0.0)
     for g in shared:
-        done = factored[g.name]  # when the factor is complete, or (spread) each panel
+        done, spans = factored[g.name], cholesky_panels(g.cols)  # when the factor is complete, or each panel
 
-        def needs(end):  # an inverse piece needs the panels before its end
-            return max(t for t, (s, _) in zip(done, cholesky_panels(g.cols)) if s < end) if spread else done
-        ready = max((place("invert", g, s, e, cost.invert(g.cols, s, e), needs(e))
+        def needs(end, done=done, spans=spans):  # an inverse piece needs the panels before its end
+            return max(t for t, (s, _) in zip(done, spans) if s < end) if spread else done
+        ready = max((place(StepKind.INVERT, g, s, e, cost.invert(g.cols, s, e), needs(e))
                      for s, e in sorted(inverse_pieces(g.cols), key=lambda p: -p[1])), default=done)
         for rank, (lo, hi) in _fill(free(), ready, g.rows, cost.b * g.cols**2, cost.c * g.cols):
-            place("solve", g, lo, hi, cost.solve(hi - lo, g.cols), ready, rank)
+            place(StepKind.SOLVE, g, lo, hi, cost.solve(hi - lo, g.cols), ready, rank)
     order = {id(s): i for i, s in enumerate(steps)}
     steps.sort(key=lambda s: (s.begin, order[id(s)]))
     return Plan(steps, world_size)
@@ -246,7 +255,7 @@ def peer_plan(groups: list[Group], world_size: int, cost: CostModel = CostModel(
     for s in sorted(singles, key=lambda s: -s.cols):
         rank = min(range(world_size), key=lambda r: (bins[r], r))
         bins[rank] += s.cols
-        steps.append(Step("whole", s, 0, s.rows, rank, free[rank], cost.whole(s)))
+        steps.append(Step(StepKind.WHOLE, s, 0, s.rows, rank, free[rank], cost.whole(s)))
         free[rank] += cost.whole(s)
     return Plan(steps, world_size)
 
@@ -260,10 +269,11 @@ def describe(plan: Plan) -> list[str]:
         names = []
         for s in mine:
             name = "+".join([s.group.modules[0][0]] + [n.rsplit(".", 1)[-1] for n, _ in s.group.modules[1:]])
-            names.append(name + {"whole": "", "factor": " factor", "panel": f" cholesky[cols {s.start}:{s.end}]",
-                                 "update": f" update[{s.end}:] by [{s.start}:]",
-                                 "invert": f" inverse[rows {s.start}:{s.end}]",
-                                 "solve": f"[rows {s.start}:{s.end}]"}[s.kind])
+            names.append(name + {StepKind.WHOLE: "", StepKind.FACTOR: " factor",
+                                 StepKind.PANEL: f" cholesky[cols {s.start}:{s.end}]",
+                                 StepKind.UPDATE: f" update[{s.start}:] by [{s.panel}:]",
+                                 StepKind.INVERT: f" inverse[rows {s.start}:{s.end}]",
+                                 StepKind.SOLVE: f"[rows {s.start}:{s.end}]"}[s.kind])
         shown = ", ".join(names) if len(names) <= 6 else f"{len(names)} steps"
         lines.append(f"  rank {rank}: {sum(s.cost for s in mine):8.3f} s  {shown}")
     lines.append(f"  makespan {plan.makespan:.3f} s, ideal {plan.total / plan.world_size:.3f} s, "

@@ -1,4 +1,4 @@
-"""The state directory: atomic, checksummed files and the per-layer commit records.
+"""The state directory: atomic, checksummed files, written by every rank and read back verified.
 
 Layout (docs/state-format.md is the specification):
     job.json                          what is being compressed, and its fingerprint
@@ -20,20 +20,28 @@ cannot exist twice (link(2) fails on an existing name). A commit is created the 
 its epoch is the newest, under a name holding its epoch, and the files it names live under paths
 holding its epoch: a stale worker can neither overwrite nor delete what a newer epoch wrote. A commit
 that slips in after a newer fence was taken is not in that fence, and so is not valid.
+
+The fences and commits are the records (records.py): these files by default (records.FileRecords), or keys in
+etcd (etcd_records.EtcdRecords), and then epochs/ and commits/ stay empty. StateStore knows nothing of them:
+whoever needs the records opens them (records.open_records) and passes what they say.
 """
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 
 import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from .errors import CorruptStateError, StaleEpochError, UsageError
+from .errors import CorruptStateError, StorageError, UsageError
 
 FORMAT = 1
+DEBRIS = re.compile(r".+\.tmp(\d+)")  # the temporary name of a write (write_bytes) that was interrupted
 
 
 def _fsync_dir(path: str):
@@ -42,6 +50,40 @@ def _fsync_dir(path: str):
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _write_durably(path: str, data: bytes):
+    """`data` at `path`, fsynced; a parent directory created here is fsynced into its own parent."""
+    parent = os.path.dirname(path)
+    if not os.path.isdir(parent):
+        os.makedirs(parent, exist_ok=True)
+        _fsync_dir(os.path.dirname(parent))
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _link(tmp: str, path: str) -> bool:
+    """Give `tmp`'s file the name `path` unless that exists (link(2) is atomic); `tmp` goes either way."""
+    try:
+        os.link(tmp, path)
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        os.remove(tmp)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` runs on this host (on another host sharing the directory, it may be any)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return pid != 0
 
 
 def _canonical(obj) -> bytes:
@@ -65,22 +107,11 @@ def read_events(root: str) -> list[dict]:
 
 
 class StateStore:
-    def __init__(self, root: str, records=None):
+    def __init__(self, root: str):
         self.root = os.path.abspath(root)
-        self.records = records or self._recorded_records()  # where the truth of progress lives
-
-    def _recorded_records(self):
-        """FileRecords, or the etcd records of job.json's coordinator (`etcd_records`, imported only then): every
-        reader of a state whose commits live in etcd (export, status, a resume) finds them there."""
-        try:
-            coordinator = ((self.read_json("job.json") or {}).get("job") or {}).get("coordinator")
-        except CorruptStateError:
-            coordinator = None
-        if not coordinator:
-            return FileRecords(self)
-        from .etcd_records import EtcdRecords
-
-        return EtcdRecords.from_url(coordinator)
+        if os.path.exists(self.root) and not os.path.isdir(self.root):
+            raise UsageError(f"state directory {self.root} is a file: give --state a new directory or one "
+                             "holding a state")
 
     def path(self, rel: str) -> str:
         return os.path.join(self.root, rel)
@@ -88,25 +119,23 @@ class StateStore:
     # -- files --------------------------------------------------------------------------------
     def write_bytes(self, rel: str, data: bytes, exclusive: bool = False) -> dict:
         """Durably write `data` at `rel`; return its record {path, size, sha256}. With `exclusive`, fail
-        with FileExistsError if `rel` exists (atomically: the file appears by link(2), not rename)."""
+        with FileExistsError if `rel` exists (atomically: the file appears by link(2), not rename). A disk
+        that refuses (full, read-only) raises StorageError, and the temporary file is removed."""
         path = self.path(rel)
-        parent = os.path.dirname(path)
-        if not os.path.isdir(parent):
-            os.makedirs(parent, exist_ok=True)
-            _fsync_dir(os.path.dirname(parent))
         tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        if exclusive:
-            try:
-                os.link(tmp, path)
-            finally:
+        try:
+            _write_durably(tmp, data)
+            placed = _link(tmp, path) if exclusive else True
+            if not exclusive:
+                os.replace(tmp, path)
+            if placed:
+                _fsync_dir(os.path.dirname(path))
+        except OSError as e:
+            with contextlib.suppress(OSError):
                 os.remove(tmp)
-        else:
-            os.replace(tmp, path)
-        _fsync_dir(parent)
+            raise StorageError(path, e) from None
+        if not placed:
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), path)
         return {"path": rel, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
     def read_bytes(self, record: dict) -> bytes:
@@ -169,21 +198,44 @@ class StateStore:
                 raise UsageError(f"state directory {self.root}: {e}; use --restart to start over") from None
             current = None
         if current is not None and not restart:
-            diff = [k for k in ("model", "dataset", "recipe", "samples")
-                    if _canonical(current.get("identity", {}).get(k)) != _canonical(job["identity"][k])]
-            raise UsageError(f"state directory {self.root} belongs to another job (different "
-                             f"{', '.join(diff) or 'format or code'}): use another --state, or --restart to discard it")
-        if current is None and os.path.isdir(self.root) and os.listdir(self.root) and not restart:
-            if not os.path.exists(self.path("job.json")):
-                raise UsageError(f"state directory {self.root} is not empty and holds no elastic-oneshot "
-                                 "job: choose an empty or new directory")
+            raise self._taken(current, job)
+        if current is None and not restart and self._foreign():
+            raise UsageError(f"state directory {self.root} is not empty and holds no elastic-oneshot "
+                             "job: choose an empty or new directory")
         self.clear()
         record = self.write_tensors("tokens.safetensors", {"input_ids": tokens})
-        self.write_json("job.json", {**job, "tokens": record})
+        try:
+            self.write_json("job.json", {**job, "tokens": record}, exclusive=True)
+        except FileExistsError:  # another process claimed the directory since it was read above
+            raise self._taken(self.read_json("job.json") or {}, job) from None
+
+    def _taken(self, current: dict, job: dict) -> UsageError:
+        """Why `job` cannot start in this directory, which holds `current` (job.json's body)."""
+        if current.get("fingerprint") == job["fingerprint"]:  # it was not there when this process looked
+            return UsageError(f"another process is starting the same job in {self.root}: let it run, "
+                              "and run again to resume once it has stopped")
+        diff = [k for k in ("model", "dataset", "recipe", "samples")
+                if _canonical(current.get("identity", {}).get(k)) != _canonical(job["identity"][k])]
+        return UsageError(f"state directory {self.root} belongs to another job (different "
+                          f"{', '.join(diff) or 'format or code'}): use another --state, or --restart to discard it")
+
+    def _foreign(self) -> list[str]:
+        """Entries of a directory without job.json that a first claim, interrupted, did not leave."""
+        names = os.listdir(self.root) if os.path.isdir(self.root) else []
+        return [n for n in names if n != "tokens.safetensors" and not DEBRIS.fullmatch(n)]
 
     def tokens(self) -> torch.Tensor:
         """The job's calibration samples, as fixed when it started."""
         return self.read_tensors(self.job()["tokens"])["input_ids"]
+
+    def restore_tokens(self, tokens: torch.Tensor):
+        """Write the calibration samples again, if they are byte for byte those that job.json records."""
+        data = st_save({"input_ids": tokens.contiguous()})
+        record = self.job()["tokens"]
+        if len(data) != record["size"] or hashlib.sha256(data).hexdigest() != record["sha256"]:
+            raise UsageError(f"{record['path']} in {self.root} is lost or damaged, and the dataset now yields other "
+                             "samples: restore the dataset, or use --restart to start over")
+        self.write_bytes(record["path"], data)
 
     def job(self) -> dict:
         job = self.read_json("job.json")
@@ -200,19 +252,33 @@ class StateStore:
             elif os.path.exists(p):
                 os.remove(p)
         os.makedirs(self.root, exist_ok=True)
+        self.remove_debris()
+
+    def remove_debris(self):
+        """Delete the temporary files of interrupted writes (`NAME.tmpPID`, see write_bytes). Rank 0 calls
+        this at start, before work. A file of a process alive here is left to it: a worker frozen mid-write and
+        woken after this start is then told that it was fenced off, not that its file vanished."""
+        for folder, _, names in os.walk(self.root):
+            for name in names:
+                found = DEBRIS.fullmatch(name)
+                if found and not _alive(int(found.group(1))):
+                    os.remove(os.path.join(folder, name))
 
     def append_event(self, event: dict):
         """One line of events.jsonl: a human and tool readable history, not part of any commit."""
-        with open(self.path("events.jsonl"), "a") as f:
-            f.write(json.dumps(event, sort_keys=True) + "\n")
+        try:
+            with open(self.path("events.jsonl"), "a") as f:
+                f.write(json.dumps(event, sort_keys=True) + "\n")
+        except OSError as e:
+            raise StorageError(self.path("events.jsonl"), e) from None
 
     def events(self) -> list[dict]:
         return read_events(self.root)
 
     # -- layers -------------------------------------------------------------------------------------
-    def verify(self, layer: int, epoch: int) -> dict:
-        """The layer's manifest, if it and its weight files check out (CorruptStateError otherwise)."""
-        manifest = self.records.manifest(layer, epoch)
+    def verify(self, manifest: dict | None, layer: int, epoch: int) -> dict:
+        """`manifest`, the records' commit of `layer` in `epoch`, if it exists and its weight files check out
+        (CorruptStateError otherwise)."""
         if manifest is None:
             raise CorruptStateError(f"the commit of layer {layer} in epoch {epoch} is missing")
         for record in manifest["weights"]:
@@ -226,10 +292,10 @@ class StateStore:
         self.write_json(f"{stem}.json", {"groups": groups, "file": record})
         return record
 
-    def solved(self, layer: int, epoch: int) -> list[dict]:
+    def fence_solved(self, layer: int, epoch: int) -> list[dict]:
         """Rank 0, when `epoch` starts work on `layer`: the intact solved-group records it may reuse.
-        Records of older epochs count only if taken into this epoch's fence for the layer, written on
-        first call, so that a stale worker's late writes are never picked up."""
+        Records of older epochs count only if taken into this epoch's fence for the layer, which the first
+        call writes, so that a stale worker's late writes are never picked up."""
         folder, fence = f"layers/{layer:05d}", f"layers/{layer:05d}/fence.e{epoch:05d}.json"
         try:
             listed = self.read_json(fence)
@@ -253,80 +319,13 @@ class StateStore:
             self.write_json(fence, {"records": older})
         return out
 
-    def prune_boundaries(self, below: int, epoch: int):
-        """Delete boundaries of layers below `below`, unless `epoch` is stale. Committed records may still
-        name them: a reader that misses one recomputes it."""
+    def prune_boundaries(self, below: int, epoch: int, current_epoch: int):
+        """Delete boundaries of layers below `below`, unless `epoch` is stale (`current_epoch`, the records'
+        newest, has moved on). Committed records may still name them: a reader that misses one recomputes it."""
         root = self.path("boundaries")
-        if not os.path.isdir(root) or self.records.current_epoch() != epoch:
+        if not os.path.isdir(root) or current_epoch != epoch:
             return
         for name in os.listdir(root):
             if name.isdigit() and int(name) < below:
                 shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-
-
-class FileRecords:
-    """Epoch fences and commits as files in the state directory (the default; see the module docstring).
-
-    The same interface over etcd is `elastic_oneshot.etcd_records.EtcdRecords`: epochs(), current_epoch(),
-    committed(), begin_epoch(committed), manifest(layer, epoch), commit(layer, epoch, manifest).
-    """
-
-    def __init__(self, files: StateStore):
-        self.files = files
-
-    def epochs(self) -> list[int]:
-        d = self.files.path("epochs")
-        return sorted(int(n[:-5]) for n in os.listdir(d) if n.endswith(".json") and n[:-5].isdigit()) \
-            if os.path.isdir(d) else []
-
-    def current_epoch(self) -> int:
-        return (self.epochs() or [0])[-1]
-
-    def committed(self) -> dict[int, int]:
-        """Layer -> epoch of its valid commit: the newest fence's list, plus that epoch's own commits.
-        If the newest fence is unreadable, an older one is used and the commits in between are not
-        trusted (their layers are redone)."""
-        epochs = self.epochs()
-        epoch = (epochs or [0])[-1]
-        view = {}
-        for e in reversed(epochs):
-            try:
-                view = {int(k): v for k, v in self.files.read_json(f"epochs/{e:05d}.json")["committed"].items()}
-                break
-            except (CorruptStateError, KeyError, TypeError):
-                continue
-        d = self.files.path("commits")
-        for name in os.listdir(d) if os.path.isdir(d) else []:
-            layer, _, rest = name.partition(".e")
-            if rest == f"{epoch:05d}.json" and layer.isdigit():
-                view[int(layer)] = epoch
-        return view
-
-    def begin_epoch(self, committed: dict[int, int]) -> int:
-        """Fence a new epoch: commits not in `committed` (layer -> epoch) are invalid from now on."""
-        epoch = self.current_epoch() + 1
-        try:
-            self.files.write_json(f"epochs/{epoch:05d}.json", {"epoch": epoch, "committed": {
-                str(k): v for k, v in sorted(committed.items())}}, exclusive=True)
-        except FileExistsError:
-            raise StaleEpochError(f"epoch {epoch} was begun by another process") from None
-        return epoch
-
-    @staticmethod
-    def commit_path(layer: int, epoch: int) -> str:
-        return f"commits/{layer:05d}.e{epoch:05d}.json"
-
-    def manifest(self, layer: int, epoch: int) -> dict | None:
-        return self.files.read_json(self.commit_path(layer, epoch))
-
-    def commit(self, layer: int, epoch: int, manifest: dict):
-        """Commit layer `layer` for `epoch`: refused (StaleEpochError) once a newer epoch has begun, or
-        if this epoch already committed it."""
-        current = self.current_epoch()
-        if current != epoch:
-            raise StaleEpochError(f"epoch {epoch} is stale (epoch {current} has begun): layer {layer} not committed")
-        try:
-            self.files.write_json(self.commit_path(layer, epoch), manifest, exclusive=True)
-        except FileExistsError:
-            raise StaleEpochError(f"layer {layer} was already committed in epoch {epoch}") from None
 

@@ -17,19 +17,21 @@ import json
 import sys
 import time
 
-from .state import FileRecords, StateStore
+from .records import Records, open_records
+from .state import StateStore
 
 RECENT = 5  # layers that set the speed behind the ETA
 REFRESH_S = 5.0
 FAULTS = ("sigterm", "stale", "liveness")
 
 
-def report(state: StateStore | str, now: float | None = None) -> dict:
-    """Every fact `status` shows, as JSON-ready values (times in seconds since the epoch)."""
+def report(state: StateStore | str, now: float | None = None, records: Records | None = None) -> dict:
+    """Every fact `status` shows, as JSON-ready values (times in seconds since the epoch). `records`: the state's,
+    opened here if not given."""
     state = state if isinstance(state, StateStore) else StateStore(state)
     job = state.job()
     total, coordinator = job["num_layers"], job["job"].get("coordinator")
-    done = len(state.records.committed())
+    done = len((records or open_records(state)).committed())
     events = state.events()
     now = time.time() if now is None else now
     starts = [e for e in events if e["event"] == "start"]
@@ -124,9 +126,10 @@ def draw(r: dict, path: str):
 def show(root: str, as_json: bool = False, plot: str | None = None, watch: bool = False):
     """Print the report (and draw it); with `watch`, again at every change until the job is complete."""
     state = StateStore(root)
+    records = open_records(state)
     try:
-        for _ in _changes(state) if watch else [None]:
-            r = report(state)
+        for _ in _changes(records) if watch else [None]:
+            r = report(state, records=records)
             if watch and not as_json and sys.stdout.isatty():
                 print("\033[H\033[J", end="")
             print(json.dumps(r) if as_json else render(r), flush=True)
@@ -138,17 +141,12 @@ def show(root: str, as_json: bool = False, plot: str | None = None, watch: bool 
         pass
 
 
-def _changes(state: StateStore):
+def _changes(records: Records):
     """When to refresh: now, then at every change of the etcd progress key when the job has a coordinator
     (at least every REFRESH_S), else every REFRESH_S."""
     yield None
-    records = state.records
     while True:
-        if isinstance(records, FileRecords):
-            time.sleep(REFRESH_S)
-            yield None
-        else:
-            yield from records.watch_progress(REFRESH_S)
+        yield from records.watch_progress(REFRESH_S)
 
 
 def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:

@@ -17,7 +17,6 @@ at the end); `--coordinator` (no URL: that etcd) keeps the job's epochs and comm
 
 import argparse
 import hashlib
-import json
 import os
 import random
 import shutil
@@ -31,10 +30,11 @@ import time
 
 import psutil
 
-from elastic_oneshot.state import read_events
+from elastic_oneshot.errors import CorruptStateError
+from elastic_oneshot.records import open_records
+from elastic_oneshot.state import StateStore, read_events
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))  # etcd_server: the tests' throwaway etcd
 KINDS = ("kill_worker", "kill_node", "stop_node", "term_node", "add_node", "corrupt_file", "restart_etcd")
 
 
@@ -101,7 +101,7 @@ class Cluster:
         self.store = self.etcd = None
         self.etcd_pause = etcd_pause
         if endpoint is None and backend == "etcd3":
-            from etcd_server import EtcdServer
+            from elastic_oneshot.testing.etcd_server import EtcdServer
 
             self.etcd = EtcdServer().start()
             endpoint = self.etcd.endpoint
@@ -261,11 +261,6 @@ def feasible(cluster: Cluster, kinds) -> list[str]:
 
 
 # -- invariants -------------------------------------------------------------------------------------
-def read_body(path: str):
-    with open(path) as f:
-        return json.load(f)["body"]
-
-
 def check_invariants(cluster: Cluster, corrupted_layers: set[int], reference: str, reference_world: int) -> list[str]:
     failures = []
     events = cluster.events()
@@ -276,23 +271,19 @@ def check_invariants(cluster: Cluster, corrupted_layers: set[int], reference: st
             if key in seen:
                 failures.append(f"layer {e['layer']} committed twice in epoch {e['epoch']}")
             seen.add(key)
-    sys.path.insert(0, os.path.dirname(HERE))
-    from elastic_oneshot.state import StateStore
-
-    store = StateStore(cluster.state)  # its records in etcd when job.json names a coordinator
+    store = StateStore(cluster.state)
+    records = open_records(store)  # in etcd when job.json names a coordinator
     fences = []
-    if hasattr(store.records, "fence"):
-        fences = [store.records.fence(e) for e in store.records.epochs()]
-    for name in [] if fences else sorted(os.listdir(os.path.join(cluster.state, "epochs"))):
+    for epoch in records.epochs():
         try:
-            fences.append(read_body(os.path.join(cluster.state, "epochs", name)))
-        except (ValueError, KeyError):
+            fences.append(records.fence(epoch))
+        except CorruptStateError:
             pass  # a fence the harness corrupted
     for a, b in zip(fences, fences[1:]):
         lost = set(map(int, a["committed"])) - set(map(int, b["committed"])) - corrupted_layers
         if lost:
             failures.append(f"progress went backwards from epoch {a['epoch']} to {b['epoch']}: layers {sorted(lost)}")
-    committed = store.records.committed()
+    committed = records.committed()
     layers = store.job()["num_layers"]
     if sorted(committed) != list(range(layers)):
         failures.append(f"final state lacks layers {sorted(set(range(layers)) - set(committed))}")

@@ -5,8 +5,7 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
-from tiny import make_model  # noqa: E402
+from elastic_oneshot.testing.tiny import make_model
 
 
 @pytest.fixture(scope="session")

@@ -10,13 +10,13 @@ import time
 
 import psutil
 import pytest
-
 from conftest import one_thread_env, run_cli, torchrun_cmd, tree_digest
+from test_spine import int_codes
+
 from elastic_oneshot.evaluate import perplexity
 from elastic_oneshot.model import SourceModel
-from elastic_oneshot.plan import layer_groups, make_plan
-from test_spine import int_codes
-from tiny import make_model
+from elastic_oneshot.plan import StepKind, layer_groups, make_plan
+from elastic_oneshot.testing.tiny import make_model
 
 JOB = ["--num-samples", 32, "--seq-len", 128, "--group-size", 64, "--chunk-size", 4]
 
@@ -59,16 +59,17 @@ def test_world_sizes_agree_with_one_rank(world, tiny_llama, w1, tmp_path):
         assert tree_digest(again) == tree_digest(out), "two runs at the same world size differ"
 
 
-@pytest.mark.parametrize("intermediate,kinds", [(8704, {"panel", "update", "invert", "solve"}),
-                                                 (4096, {"factor", "solve"})])
+@pytest.mark.parametrize("intermediate,kinds", [
+    (8704, {StepKind.PANEL, StepKind.UPDATE, StepKind.INVERT, StepKind.SOLVE}),
+    (4096, {StepKind.FACTOR, StepKind.SOLVE})])
 def test_shared_group_spreads_its_inverse_and_rows(intermediate, kinds, tmp_path):
     """A dominant down_proj is shared: one rank factors it and ranks solve row slices; when it is wide
-    (in_features above gptq.SHARED_INVERSE_COLS) all ranks also share its Cholesky panels and inverse
+    (in_features above cholesky.SHARED_INVERSE_COLS) all ranks also share its Cholesky panels and inverse
     pieces. Either way the output matches one rank's."""
     model = make_model(str(tmp_path / "wide"), "llama", intermediate_size=intermediate, num_hidden_layers=1)
     steps = make_plan(layer_groups(SourceModel(model).layers[0], ["mlp.down_proj"]), 3).steps
     assert {s.kind for s in steps} == kinds
-    assert all(len({s.rank for s in steps if s.kind == kind}) == 3 for kind in kinds - {"factor"})
+    assert all(len({s.rank for s in steps if s.kind == kind}) == 3 for kind in kinds - {StepKind.FACTOR})
     job = ["--num-samples", 12, "--seq-len", 64, "--group-size", 64, "--chunk-size", 4]
     run_world(1, model, tmp_path / "w1", job)
     run_world(3, model, tmp_path / "w3", job)

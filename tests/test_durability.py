@@ -12,10 +12,10 @@ import sys
 import time
 
 import pytest
-
 from conftest import run_cli, tree_digest
+
 from elastic_oneshot import oneshot
-from tiny import make_model, set_architecture
+from elastic_oneshot.testing.tiny import make_model, set_architecture
 
 JOB = dict(num_calibration_samples=48, max_seq_length=256, group_size=64, chunk_size=8)
 CLI_JOB = ["--num-samples", 48, "--seq-len", 256, "--chunk-size", 8, "--group-size", 64]

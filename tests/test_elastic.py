@@ -8,14 +8,13 @@ import sys
 import time
 
 import pytest
-
 from conftest import one_thread_env, run_cli, tree_digest
 from test_distributed import same_codes
-from tiny import make_model
+
+from elastic_oneshot.testing.tiny import make_model
+from launch.chaos import Cluster
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "launch"))
-from chaos import Cluster  # noqa: E402
 
 JOB = ["--num-samples", 48, "--seq-len", 256, "--group-size", 64, "--chunk-size", 8]
 TIMEOUT = 10  # --collective-timeout: the bound on noticing a frozen peer

@@ -11,14 +11,14 @@ import time
 
 import psutil
 import pytest
-
 from conftest import one_thread_env, run_cli, tree_digest
-from etcd_server import EtcdServer, make_tls
+from test_spine import int_codes
+from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
 from elastic_oneshot.errors import StaleEpochError, UsageError
 from elastic_oneshot.etcd_records import EtcdRecords, parse_url, redact
-from test_spine import int_codes
-from tiny import make_model
-from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+from elastic_oneshot.testing.etcd_server import EtcdServer, make_tls
+from elastic_oneshot.testing.tiny import make_model
 
 JOB = ["--num-samples", 48, "--seq-len", 256, "--group-size", 64, "--chunk-size", 8]
 LAYERS = 8
@@ -109,8 +109,7 @@ def test_two_processes_race_to_begin_the_same_epoch(etcd):
     assert b.current_epoch() == 1 and b.epochs() == [1]
 
     # The same between real processes, many times: every epoch is begun exactly once, by one of them.
-    code = (f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
-            "from elastic_oneshot.etcd_records import EtcdRecords\n"
+    code = ("from elastic_oneshot.etcd_records import EtcdRecords\n"
             "from elastic_oneshot.errors import StaleEpochError\n"
             f"r = EtcdRecords.from_url('etcd://{etcd.endpoint}/t/race')\n"
             "won = []\n"
@@ -313,7 +312,8 @@ def test_the_survivor_finishes_when_the_rank0_node_is_killed(etcd, nodes, refere
     assert before < LAYERS, "the job finished before the node was killed"
     survivor = next(a for a in n.agents if a is not victim)
     n.finish([survivor])
-    print(f"\nrank-0 node killed after {before} layers; the survivor finished {time.monotonic() - killed_at:.1f} s later")
+    print(f"\nrank-0 node killed after {before} layers; the survivor finished "
+          f"{time.monotonic() - killed_at:.1f} s later")
     progress = n.records.progress()
     assert (progress["layers_committed"], progress["world_size"], progress["done"]) == (LAYERS, 1, True)
     assert [e["world_size"] for e in n.events() if e["event"] == "start"][-1] == 1

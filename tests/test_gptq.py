@@ -4,7 +4,7 @@ import pytest
 import torch
 from compressed_tensors.quantization import QuantizationArgs
 
-from elastic_oneshot import gptq
+from elastic_oneshot import cholesky, gptq
 
 
 def problem(rows=48, cols=256, dead=(3, 77), seed=0):
@@ -87,10 +87,10 @@ def test_wide_hessian_inverse_in_pieces():
     """Above SHARED_INVERSE_COLS the inverse comes from one (fp64) Cholesky and pieces of a triangular
     inverse that ranks can share: its codes equal an fp64 reference's; the peer's fp32 steps drift."""
     args = QuantizationArgs(num_bits=4, group_size=128, actorder="static", observer="memoryless_minmax")
-    cols = gptq.SHARED_INVERSE_COLS + 512
+    cols = cholesky.SHARED_INVERSE_COLS + 512
     w, h = problem(rows=16, cols=cols, dead=(5,))
     ours, prep = gptq.quantize(w, h, args)
-    assert len(gptq.inverse_pieces(cols)) == cols // gptq.INVERSE_PIECE and prep.damping == [0.01]
+    assert len(cholesky.inverse_pieces(cols)) == cols // cholesky.INVERSE_PIECE and prep.damping == [0.01]
     p = prep.perm[0]
     H = h[p][:, p].double()
     H.diagonal()[prep.dead[0]] = 1

@@ -9,16 +9,16 @@ import time
 import pytest
 import torch
 import transformers
-
 from conftest import one_thread_env, run_cli, torchrun_cmd
+from test_distributed import workers
+from test_spine import int_codes
+
 from elastic_oneshot import oneshot
 from elastic_oneshot.data import heldout_samples
 from elastic_oneshot.model import SourceModel
 from elastic_oneshot.moe import MoEBlock
-from test_distributed import workers
-from peer import run_peer
-from test_spine import int_codes
-from tiny import make_moe
+from elastic_oneshot.testing.peer import run_peer
+from elastic_oneshot.testing.tiny import make_moe
 
 SAMPLES, SEQ, GROUP = 16, 128, 32
 

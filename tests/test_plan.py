@@ -2,8 +2,8 @@
 
 import pytest
 
-from elastic_oneshot.gptq import cholesky_panels, inverse_pieces
-from elastic_oneshot.plan import Group, make_plan, peer_plan
+from elastic_oneshot.cholesky import cholesky_panels, inverse_pieces
+from elastic_oneshot.plan import Group, StepKind, make_plan, peer_plan
 
 LLAMA_3_8B = [Group((("q_proj", 4096), ("k_proj", 1024), ("v_proj", 1024)), 4096), Group((("o_proj", 4096),), 4096),
               Group((("gate_proj", 14336), ("up_proj", 14336)), 4096), Group((("down_proj", 4096),), 14336)]
@@ -18,27 +18,26 @@ def test_plan_covers_every_row_and_piece_once_after_its_inputs(world):
         end.setdefault((s.group.name, s.kind), []).append(s.begin + s.cost)
     for g in LLAMA_3_8B:
         mine = [s for s in plan.steps if s.group is g]
-        rows = sorted((s.start, s.end) for s in mine if s.kind in ("whole", "solve"))
+        rows = sorted((s.start, s.end) for s in mine if s.kind in (StepKind.WHOLE, StepKind.SOLVE))
         assert rows[0][0] == 0 and rows[-1][1] == g.rows and all(a[1] == b[0] for a, b in zip(rows, rows[1:]))
         if plan.shared(g):
-            pieces = sorted((s.start, s.end) for s in mine if s.kind == "invert")
+            pieces = sorted((s.start, s.end) for s in mine if s.kind == StepKind.INVERT)
             assert pieces == inverse_pieces(g.cols)
-            panels = {(s.start, s.end): s for s in mine if s.kind == "panel"}
+            panels = {(s.start, s.end): s for s in mine if s.kind == StepKind.PANEL}
             if panels:  # spread: every panel once, after every update of its column, which follows its panel
                 assert sorted(panels) == cholesky_panels(g.cols)
-                for u in (s for s in mine if s.kind == "update"):
-                    source, target = next(p for k, p in panels.items() if k[0] == u.start), \
-                        next(p for k, p in panels.items() if k[0] == u.end)
+                for u in (s for s in mine if s.kind == StepKind.UPDATE):
+                    source, target = panels[next(k for k in panels if k[0] == u.panel)], panels[(u.start, u.end)]
                     assert source.begin + source.cost <= u.begin and u.begin + u.cost <= target.begin
                     assert u.rank == target.rank
                 factored = {s.end: s.begin + s.cost for s in panels.values()}
                 assert all(s.begin >= max(t for e, t in factored.items() if e - 1 < s.end)
-                           for s in mine if s.kind == "invert")
+                           for s in mine if s.kind == StepKind.INVERT)
             else:
-                factored = max(end[(g.name, "factor")])
-                assert all(s.begin >= factored for s in mine if s.kind == "invert")
-            inverted = max(end.get((g.name, "invert"), [0.0]))
-            assert all(s.begin >= inverted for s in mine if s.kind == "solve")
+                factored = max(end[(g.name, StepKind.FACTOR)])
+                assert all(s.begin >= factored for s in mine if s.kind == StepKind.INVERT)
+            inverted = max(end.get((g.name, StepKind.INVERT), [0.0]))
+            assert all(s.begin >= inverted for s in mine if s.kind == StepKind.SOLVE)
     for rank in range(world):  # a rank's steps run back to back in plan order
         mine = [s for s in plan.steps if s.rank == rank]
         assert all(a.begin + a.cost <= b.begin + 1e-9 for a, b in zip(mine, mine[1:]))
@@ -50,4 +49,5 @@ def test_sharing_the_wide_inverse_beats_the_peers_packing():
     ours, peer = serial / make_plan(LLAMA_3_8B, 4).makespan, peer_serial / peer_plan(LLAMA_3_8B, 4).makespan
     print(f"\nLlama-3-8B layer at W=4, modeled: ours {ours:.2f}x, peer's packing {peer:.2f}x")
     assert ours > 1.5 * peer
-    assert {s.kind for s in make_plan(LLAMA_3_8B, 4).steps} >= {"whole", "panel", "update", "invert", "solve"}
+    assert {s.kind for s in make_plan(LLAMA_3_8B, 4).steps} >= {StepKind.WHOLE, StepKind.PANEL, StepKind.UPDATE,
+                                                                StepKind.INVERT, StepKind.SOLVE}

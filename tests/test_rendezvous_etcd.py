@@ -11,18 +11,20 @@ import threading
 import time
 from datetime import timedelta
 
+import etcd3  # noqa: I100  (after etcd_v3, which sets up protobuf for it)
+import etcd3.etcdrpc as etcdrpc
 import grpc
 import pytest
 import torch.distributed as dist
-
-from elastic_oneshot.rendezvous.etcd_v3 import KEY_ROOT, create_backend
-from etcd_server import EtcdServer, make_tls
-from torch.distributed.elastic.rendezvous.api import (RendezvousClosedError, RendezvousConnectionError,
-                                                     RendezvousParameters)
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousParameters,
+)
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousState
 
-import etcd3  # noqa: I100  (after etcd_v3, which sets up protobuf for it)
-import etcd3.etcdrpc as etcdrpc
+from elastic_oneshot.rendezvous.etcd_v3 import KEY_ROOT, create_backend
+from elastic_oneshot.testing.etcd_server import EtcdServer, make_tls
 
 # Short rendezvous timings: a node is declared dead 3 s after its last heartbeat.
 RDZV_CONF = "join_timeout=60,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3,close_timeout=10"

@@ -7,15 +7,14 @@ import pytest
 import torch
 import transformers
 from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
-from safetensors.torch import load_file
-
 from compressed_tensors.quantization import fake_quantize
+from safetensors.torch import load_file
 
 from elastic_oneshot import gptq, oneshot
 from elastic_oneshot.data import heldout_samples
 from elastic_oneshot.recipe import Recipe
-from peer import run_peer
-from tiny import make_model
+from elastic_oneshot.testing.peer import run_peer
+from elastic_oneshot.testing.tiny import make_model
 
 SAMPLES, SEQ, GROUP = 32, 128, 128
 

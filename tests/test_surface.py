@@ -12,14 +12,14 @@ import time
 import matplotlib.image
 import pytest
 import torch
-
 from conftest import one_thread_env, run_cli, torchrun_cmd, tree_digest
+
 from elastic_oneshot import oneshot
 from elastic_oneshot.errors import UsageError
 from elastic_oneshot.recipe import Recipe
 from elastic_oneshot.recipe_loader import load_recipe
 from elastic_oneshot.status import render, report
-from tiny import make_model
+from elastic_oneshot.testing.tiny import make_model
 
 JOB = ["--num-samples", 16, "--seq-len", 64, "--chunk-size", 4]
 API_JOB = dict(num_calibration_samples=16, max_seq_length=64, chunk_size=4)
@@ -197,7 +197,7 @@ def test_status_of_a_preempted_job_finished_at_another_world_size(llama8, tmp_pa
 
 
 def test_status_reads_and_watches_the_etcd_coordinator(tiny_llama, tmp_path):
-    from etcd_server import EtcdServer
+    from elastic_oneshot.testing.etcd_server import EtcdServer
 
     state = tmp_path / "state"
     with EtcdServer() as etcd:

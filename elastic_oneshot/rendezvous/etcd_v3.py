@@ -17,16 +17,8 @@ from __future__ import annotations
 import logging
 import os
 import random
-import threading
 import time
-import warnings
 from datetime import timedelta
-
-# etcd3 0.12's generated *_pb2 modules predate protobuf 4 and only load with protobuf's pure-Python runtime. The
-# runtime is picked once, when protobuf is first imported, so this must run before that: a torchrun agent imports
-# nothing that imports protobuf before it loads this plugin (checked with torch 2.13), and neither does
-# elastic_oneshot. Left in the environment on purpose: workers inherit it and can use etcd3 too.
-os.environ.setdefault("PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION", "python")
 
 
 def entry_point():
@@ -38,100 +30,34 @@ def entry_point():
     return lambda params: create_rdzv_handler(params)
 
 
-import grpc  # noqa: E402
-import tenacity  # noqa: E402
+from ..etcd_client import (  # noqa: E402,I001  (first: it sets protobuf up, before torch might load it)
+    Delete, EtcdClient, Get, Mod, Put, Value, Version, etcd3)
+
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.elastic.rendezvous import RendezvousParameters  # noqa: E402
-from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousConnectionError  # noqa: E402
+from torch.distributed.elastic.rendezvous.api import RendezvousClosedError  # noqa: E402
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (  # noqa: E402
     DynamicRendezvousHandler, RendezvousBackend, Token, create_handler)
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint  # noqa: E402
-
-try:
-    with warnings.catch_warnings():  # the pure-Python runtime deprecates how old generated code builds descriptors
-        warnings.simplefilter("ignore", DeprecationWarning)
-        import etcd3
-    from etcd3.transactions import Delete, Get, Mod, Put, Value, Version
-except TypeError as e:  # "Descriptors cannot be created directly": protobuf was imported earlier with upb/cpp
-    raise ImportError("etcd3 needs protobuf's pure-Python runtime, but protobuf was imported before "
-                      "elastic_oneshot.rendezvous.etcd_v3: set PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION=python") from e
 
 log = logging.getLogger(__name__)
 
 KEY_ROOT = "/torchrun/elastic-oneshot/"
 _MAX_TXN_OPS = 128  # etcd's default --max-txn-ops
-_RPC_TIMEOUT = 5  # s per etcd request; requests take milliseconds, so this only cuts off a dead connection
-_TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-              grpc.StatusCode.UNAUTHENTICATED}  # UNAUTHENTICATED: auth token lost in an etcd restart
 
 
-def _is_transient(exc: BaseException) -> bool:
-    return (isinstance(exc, (etcd3.exceptions.ConnectionFailedError, etcd3.exceptions.ConnectionTimeoutError))
-            or isinstance(exc, grpc.RpcError) and exc.code() in _TRANSIENT)
-
-
-class _Etcd:
-    """An etcd3 client that survives etcd restarts: after a transient error the client is rebuilt (a fresh channel
-    skips gRPC's growing reconnect backoff, and a fresh login replaces an auth token the restart forgot), and
-    `call` retries with jittered exponential backoff for `retry_timeout` seconds. Only idempotent or
-    compare-and-set requests may go through `call`; anything else uses `call_once`."""
-
-    def __init__(self, host: str, port: int, *, cacert: str | None = None, cert: str | None = None,
-                 key: str | None = None, user: str | None = None, password: str | None = None,
-                 retry_timeout: float = 10, where: str = "--rdzv-conf"):
-        self.host, self.port = host, port
-        if (cert or key) and not (cacert and cert and key):
-            raise ValueError(f"etcd: TLS client auth needs all of cacert, cert and key in {where}")
-        self._kwargs = dict(ca_cert=cacert, cert_cert=cert, cert_key=key, user=user, password=password,
-                            timeout=_RPC_TIMEOUT)
-        self.retry_timeout = retry_timeout
-        self._client: etcd3.Etcd3Client | None = None
-        self._lock = threading.Lock()  # the keep-alive timer thread shares this client with the agent
-
-    @classmethod
-    def from_params(cls, params: RendezvousParameters) -> "_Etcd":
-        host, port = parse_rendezvous_endpoint(params.endpoint, default_port=2379)
-        return cls(host, port, cacert=params.get("cacert"), cert=params.get("cert"), key=params.get("key"),
-                   user=params.get("user"), password=params.get("password"),
-                   retry_timeout=params.get_as_int("retry_timeout", 10))
-
-    def client(self) -> etcd3.Etcd3Client:
-        with self._lock:
-            if self._client is None:
-                self._client = etcd3.client(self.host, self.port, **self._kwargs)
-                # The auth token also travels as plain metadata; as call credentials, current gRPC refuses it on
-                # http channels ("does not have a sufficient security level").
-                self._client.call_credentials = None
-            return self._client
-
-    def _drop(self, failed: etcd3.Etcd3Client | None) -> None:
-        with self._lock:
-            if self._client is failed:
-                self._client = None
-
-    def call_once(self, method: str, *args, **kwargs):
-        client = None
-        try:
-            client = self.client()
-            return getattr(client, method)(*args, **kwargs)
-        except Exception as exc:
-            if not _is_transient(exc):
-                raise
-            self._drop(client)
-            raise RendezvousConnectionError(f"etcd at {self.host}:{self.port} failed: {exc!r}") from exc
-
-    def call(self, method: str, *args, **kwargs):
-        retrying = tenacity.Retrying(
-            stop=tenacity.stop_after_delay(self.retry_timeout),
-            wait=tenacity.wait_random_exponential(multiplier=0.1, max=2),
-            retry=tenacity.retry_if_exception_type(RendezvousConnectionError), reraise=True)
-        return retrying(self.call_once, method, *args, **kwargs)
+def client_from_params(params: RendezvousParameters) -> EtcdClient:
+    """The client for torchrun's --rdzv-endpoint and --rdzv-conf (see the module docstring)."""
+    host, port = parse_rendezvous_endpoint(params.endpoint, default_port=2379)
+    return EtcdClient(host, port, cacert=params.get("cacert"), cert=params.get("cert"), key=params.get("key"),
+                      user=params.get("user"), password=params.get("password"),
+                      retry_timeout=params.get_as_int("retry_timeout", 10))
 
 
 class EtcdV3RendezvousBackend(RendezvousBackend):
     """Holds torch's rendezvous state in one etcd key; the fencing token is the key's mod_revision."""
 
-    def __init__(self, etcd: _Etcd, run_id: str):
+    def __init__(self, etcd: EtcdClient, run_id: str):
         if not run_id or "/" in run_id:
             raise ValueError(f"etcd3 rendezvous: the run id must be non-empty and have no '/': {run_id!r}")
         self.etcd = etcd
@@ -190,7 +116,7 @@ class EtcdV3Store(dist.Store):
     """A c10d Store on etcd keys under `prefix`, for the agents (workers bootstrap their own TCPStore from the
     MASTER_ADDR/PORT kept here). Blocking reads poll: polling has no watch to lose when etcd restarts."""
 
-    def __init__(self, etcd: _Etcd, prefix: str, timeout: timedelta):
+    def __init__(self, etcd: EtcdClient, prefix: str, timeout: timedelta):
         super().__init__()
         self.etcd = etcd
         self.prefix = prefix
@@ -262,7 +188,7 @@ class EtcdV3Store(dist.Store):
 
 
 def create_backend(params: RendezvousParameters) -> tuple[EtcdV3RendezvousBackend, EtcdV3Store]:
-    etcd = _Etcd.from_params(params)
+    etcd = client_from_params(params)
     backend = EtcdV3RendezvousBackend(etcd, params.run_id)
     read_timeout = timedelta(seconds=params.get_as_int("read_timeout", 60))
     return backend, EtcdV3Store(etcd, backend.prefix + "store/", read_timeout)

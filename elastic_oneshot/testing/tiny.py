@@ -8,7 +8,7 @@ import torch
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from elastic_oneshot.data import builtin_texts
+from ..data import builtin_texts
 
 CONFIGS = {
     "llama": lambda v: transformers.LlamaConfig(

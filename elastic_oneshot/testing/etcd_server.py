@@ -84,7 +84,7 @@ class EtcdServer:
     def url(self) -> str:
         return f"{'https' if self.tls else 'http'}://{self.endpoint}"
 
-    def start(self, timeout: float = 30.0) -> "EtcdServer":
+    def start(self, timeout: float = 30.0) -> EtcdServer:
         peer = f"http://127.0.0.1:{self.peer_port}"
         cmd = [self.binary, "--name", "default", "--data-dir", self.data_dir,
                "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
@@ -139,7 +139,7 @@ class EtcdServer:
         """SIGKILL: a crash. Data in the data dir survives for start()."""
         self._signal(signal.SIGKILL, 10)
 
-    def restart(self) -> "EtcdServer":
+    def restart(self) -> EtcdServer:
         self.stop()
         return self.start()
 
@@ -147,7 +147,7 @@ class EtcdServer:
         self.kill()
         shutil.rmtree(self._tmp, ignore_errors=True)
 
-    def __enter__(self) -> "EtcdServer":
+    def __enter__(self) -> EtcdServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:
