@@ -12,14 +12,16 @@ from . import signals
 from .data import calibration_samples
 from .default_model import default_model
 from .dist import World
-from .errors import StaleEpochError, UsageError
+from .errors import CorruptStateError, StaleEpochError, UsageError
 from .evaluate import perplexity
-from .export import export
+from .export import check_output, export
 from .job import Job, job_record
 from .model import SourceModel
 from .plan import describe, layer_groups, make_plan
+from .preflight import check_separate, check_seq_len, check_writable
 from .recipe import Recipe, check_divisible
 from .recipe_loader import load_recipe
+from .records import Records, open_records
 from .runner import Runner
 from .state import StateStore
 
@@ -34,47 +36,38 @@ def oneshot(model: str | None = None, dataset: str = "builtin", scheme: str = "W
             ignore: tuple[str, ...] = (), restart: bool = False, trust_remote_code_model: bool = False,
             chunk_size: int = 8, eval_samples: int = 0, collective_timeout: float = 60.0,
             moe_calibrate_all_experts: bool = True, coordinator: str | None = None,
-            attention: str = "eager") -> str:
+            attention: str = "eager", allow_long_seq: bool = False) -> str:
     """Compress `model` with GPTQ, resumably; return the output directory.
 
-    Arguments mirror llmcompressor's `oneshot` where they mean the same. `recipe` is what llmcompressor
-    takes (a GPTQModifier, a list of modifiers, a YAML file or text; see recipe_loader) or a Recipe; without
-    it, `scheme` and the GPTQ arguments after `text_column` make one. `state_dir` holds the
-    progress (default: `<output_dir>.state`); calling again with the same arguments resumes. Under
-    torchrun every rank calls this with the same arguments; rank 0 writes the checkpoint. `coordinator`
-    (etcd://HOST:PORT/PREFIX, see etcd_records) keeps the epochs and commits in etcd instead of the state directory.
+    Arguments mirror llmcompressor's `oneshot` where they mean the same. `recipe` is what llmcompressor takes
+    (a GPTQModifier, a list of modifiers, a YAML file or text; see recipe_loader) or a Recipe; without it, `scheme`
+    and the GPTQ arguments after `text_column` make one. `state_dir` holds the progress (default:
+    `<output_dir>.state`); calling again with the same arguments resumes. Under torchrun every rank calls this
+    with the same arguments; rank 0 writes the checkpoint. `coordinator` (etcd://HOST:PORT/PREFIX) keeps epochs
+    and commits in etcd. `allow_long_seq` permits `max_seq_length` past the model's max_position_embeddings.
     """
     world = World(timeout_s=collective_timeout)
     model = model or default_model()
-    options = Recipe(scheme=scheme, group_size=group_size, symmetric=symmetric, actorder=actorder,
-                     dampening_frac=dampening_frac, block_size=block_size,
-                     ignore=("lm_head", *[i for i in ignore if i != "lm_head"]))
-    if recipe is not None and options != Recipe():
-        raise UsageError("give either a recipe or GPTQ options (scheme, group size, asym, actorder, dampening, "
-                         "block size, ignore), not both")
-    recipe = options if recipe is None else load_recipe(recipe)
-    if num_calibration_samples <= 0 or max_seq_length <= 1 or chunk_size <= 0:
-        raise UsageError("--num-samples, --seq-len and --chunk-size must be positive")
-    job = Job(model=os.path.abspath(model), dataset=os.path.abspath(dataset) if os.path.exists(dataset) else dataset,
-              recipe=recipe,
-              num_samples=num_calibration_samples, seq_len=max_seq_length, seed=seed,
-              text_column=text_column, chunk_size=chunk_size, trust_remote_code=trust_remote_code_model,
-              moe_calibrate="all" if moe_calibrate_all_experts else "routed", attention=attention)
+    recipe = _recipe(recipe, Recipe(scheme=scheme, group_size=group_size, symmetric=symmetric, actorder=actorder,
+                                    dampening_frac=dampening_frac, block_size=block_size,
+                                    ignore=("lm_head", *[i for i in ignore if i != "lm_head"])))
+    job = _sized(Job(model=os.path.abspath(model), recipe=recipe, num_samples=num_calibration_samples,
+                     dataset=os.path.abspath(dataset) if os.path.exists(dataset) else dataset,
+                     seq_len=max_seq_length, seed=seed, text_column=text_column, chunk_size=chunk_size,
+                     trust_remote_code=trust_remote_code_model, attention=attention,
+                     moe_calibrate="all" if moe_calibrate_all_experts else "routed"))
     output_dir = output_dir or f"{os.path.basename(job.model.rstrip('/'))}-{recipe.scheme}"
-    state = _open_state(state_dir or f"{output_dir.rstrip('/')}.state", coordinator)
-    job = dataclasses.replace(job, coordinator=getattr(state.records, "url", None))  # given, or job.json's
-
-    source = SourceModel(job.model, job.trust_remote_code, job.attention)
-    record = job_record(job, source.digest(), source.num_layers)
+    state_dir = state_dir or f"{output_dir.rstrip('/')}.state"
+    job, state, records, source, record = _open(job, state_dir, output_dir, coordinator, allow_long_seq)
     world.agree("the job (model, dataset, recipe and sampling arguments)", record["fingerprint"])
     world.agree("the coordinator", job.coordinator)
     quantized = job.recipe.quantized_modules(source.skeleton)
     check_divisible(job.recipe, source.linear_shapes(quantized))
-    runner = Runner(job, state, source, world, source.by_layer(quantized))
-    error = world.broadcast_object(_claim(state, record, job, restart) if world.rank == 0 else None)
+    runner = Runner(job, state, records, source, world, source.by_layer(quantized))
+    error = world.broadcast_object(_claim(state, records, record, job, restart) if world.rank == 0 else None)
     if error:
         raise UsageError(error)
-    detach = _attach(state, world, source.num_layers)
+    records.attach(world.rank, world.size, source.num_layers)
     fault = _record_faults(state, world, runner)
 
     if eval_samples and world.rank == 0:
@@ -86,17 +79,55 @@ def oneshot(model: str | None = None, dataset: str = "builtin", scheme: str = "W
             fault("stale", error=str(e))
         raise
     world.close()
-    detach()
+    records.detach()
     if world.rank != 0:
         return output_dir
 
-    export(state, output_dir, source)
+    export(state, records, output_dir, source)
     log.info("wrote %s", output_dir)
     if eval_samples:
-        after = perplexity(output_dir, dataset, eval_samples, job.seq_len, text_column)
-        print(f"perplexity on {eval_samples} held-out samples: before {before:.3f}, after {after:.3f} "
-              f"(x{after / before:.4f})")
+        _compare(before, output_dir, dataset, eval_samples, job.seq_len, text_column)
     return output_dir
+
+
+def _compare(before: float, output_dir: str, dataset: str, samples: int, seq_len: int, text_column: str):
+    after = perplexity(output_dir, dataset, samples, seq_len, text_column)
+    print(f"perplexity on {samples} held-out samples: before {before:.3f}, after {after:.3f} (x{after / before:.4f})")
+
+
+def _sized(job: Job) -> Job:
+    if job.num_samples <= 0 or job.chunk_size <= 0:
+        raise UsageError("--num-samples and --chunk-size must be positive")
+    if job.seq_len < 2:
+        raise UsageError(f"--seq-len must be at least 2 tokens (got {job.seq_len})")
+    return job
+
+
+def _recipe(recipe, options: Recipe) -> Recipe:
+    """The recipe given, or the one the GPTQ options make; not both."""
+    if recipe is None:
+        return options
+    if options != Recipe():
+        raise UsageError("give either a recipe or GPTQ options (scheme, group size, asym, actorder, dampening, "
+                         "block size, ignore), not both")
+    return load_recipe(recipe)
+
+
+def _open(job: Job, state_dir: str, output_dir: str, coordinator: str | None, allow_long_seq: bool):
+    """Everything checkable before any work: where state and output go, the model's weights, the sequence
+    length, the output; then the state, its records and the job's record."""
+    check_separate(model=job.model, state=state_dir, output=output_dir)
+    check_writable(state_dir, "--state")
+    check_writable(output_dir, "--output", beside=True)
+    state = StateStore(state_dir)
+    records = open_records(state, coordinator)
+    job = dataclasses.replace(job, coordinator=records.url)  # given, or job.json's
+    source = SourceModel(job.model, job.trust_remote_code, job.attention)
+    source.check_weights()
+    check_seq_len(job.seq_len, source.config, allow_long_seq)
+    record = job_record(job, source.digest(), source.num_layers)
+    check_output(output_dir.rstrip("/"), record["fingerprint"])
+    return job, state, records, source, record
 
 
 def _record_faults(state: StateStore, world: World, runner: Runner):
@@ -114,41 +145,39 @@ def _record_faults(state: StateStore, world: World, runner: Runner):
     return fault
 
 
-def _claim(state: StateStore, record: dict, job: Job, restart: bool) -> str | None:
+def _claim(state: StateStore, records: Records, record: dict, job: Job, restart: bool) -> str | None:
     """Rank 0: resume the state, or start the job there with freshly drawn calibration samples (which
     also surfaces dataset errors before any foreign state is touched). Errors travel to every rank as text."""
     try:
         if not restart and state.holds(record):
             log.info("state %s belongs to this job: resuming", state.root)
-            getattr(state.records, "adopt", lambda *_: None)(record, state.root)
+            records.adopt(record, state.root)
             if state.job()["job"].get("coordinator") != record["job"]["coordinator"]:
                 state.write_json("job.json", {**state.job(), "job": record["job"]})  # where readers find it
+            state.remove_debris()
+            _restore_tokens(state, job)
             return None
-        tokenizer = transformers.AutoTokenizer.from_pretrained(job.model, trust_remote_code=job.trust_remote_code)
-        tokens = calibration_samples(job.dataset, tokenizer, job.num_samples, job.seq_len, job.seed, job.text_column)
-        state.claim(record, tokens, restart=restart)
-        getattr(state.records, "claim", lambda *_: None)(record, state.root)
+        state.claim(record, _draw(job), restart=restart)
+        records.claim(record, state.root)
     except UsageError as e:
         return str(e)
     return None
 
 
-def _open_state(root: str, coordinator: str | None) -> StateStore:
-    """The state directory; its records in etcd when `coordinator` is given or job.json records one."""
-    if not coordinator:
-        return StateStore(root)
-    from .etcd_records import EtcdRecords
-
-    return StateStore(root, records=EtcdRecords.from_url(coordinator))
+def _draw(job: Job):
+    """The job's calibration samples, drawn from its dataset: deterministic for the same dataset."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(job.model, trust_remote_code=job.trust_remote_code)
+    return calibration_samples(job.dataset, tokenizer, job.num_samples, job.seq_len, job.seed, job.text_column)
 
 
-def _attach(state: StateStore, world: World, layers: int):
-    """Every rank holds a lease on etcd-held records (see EtcdRecords.attach); returns how to let it go."""
-    attach = getattr(state.records, "attach", None)
-    if attach is None:
-        return lambda: None
-    attach(world.rank, world.size, layers)
-    return state.records.detach
+def _restore_tokens(state: StateStore, job: Job):
+    """A lost or damaged tokens.safetensors is drawn again, and kept only if job.json's digest vouches for it:
+    the committed layers stay valid, where --restart would throw them away."""
+    try:
+        state.tokens()
+    except CorruptStateError as e:
+        log.warning("%s: drawing the calibration samples again from the dataset", e)
+        state.restore_tokens(_draw(job))
 
 
 def plan(model: str, world_size: int, recipe: Recipe | None = None, layers: int | None = None) -> list[str]:

@@ -1,18 +1,24 @@
 """Command line: arguments only; everything else lives behind `api.oneshot`."""
 
 import argparse
+import errno
 import logging
 import os
 import sys
 
-from .errors import StaleEpochError, UsageError
+from .errors import StaleEpochError, StorageError, UsageError
+from .progress import close_all
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="elastic-oneshot", description="Elastic, resumable GPTQ compression.")
     sub = p.add_subparsers(dest="command", required=True)
+    _run_arguments(sub.add_parser("run", help="compress a model (run again to resume)"))
+    _other_commands(sub)
+    return p
 
-    run = sub.add_parser("run", help="compress a model (run again to resume)")
+
+def _run_arguments(run):
     run.add_argument("--model", help="Hugging Face model directory (default: the embedded SmolLM2-135M)")
     run.add_argument("--dataset", default="builtin",
                      help="builtin, a .jsonl/.json/.txt/.parquet file, a save_to_disk directory, or a hub name")
@@ -22,6 +28,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--scheme", default="W4A16", choices=["W4A16", "W8A16"])
     run.add_argument("--num-samples", type=int, default=128)
     run.add_argument("--seq-len", type=int, default=512)
+    run.add_argument("--allow-long-seq", action="store_true",
+                     help="allow --seq-len past the model's context (max_position_embeddings)")
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--group-size", type=int, help="default: the scheme's (128); -1 for per-channel")
     run.add_argument("--asym", action="store_true", help="asymmetric quantization (with zero points)")
@@ -42,11 +50,14 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--eval-samples", type=int, default=0,
                      help="print perplexity on this many held-out samples before and after")
     run.add_argument("--collective-timeout", type=float, default=60.0,
-                     help="seconds before a collective gives up on a silent peer (under torchrun)")
+                     help="seconds before a collective gives up on a silent rank (under torchrun)")
     run.add_argument("--coordinator", metavar="URL",
                      help="keep epochs and commits in etcd: etcd://HOST:PORT/PREFIX[?cacert=&cert=&key=&user="
                           "&password=] (see elastic_oneshot/etcd_records.py); files stay in --state")
 
+
+
+def _other_commands(sub):
     st = sub.add_parser("status", help="progress, ETA, world sizes, restarts and time lost, from a state directory")
     st.add_argument("--state", required=True)
     st.add_argument("--json", action="store_true", help="the same facts as JSON (one line per refresh)")
@@ -71,7 +82,6 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--text-column", default="text")
     ev.add_argument("--num-samples", type=int, default=16)
     ev.add_argument("--seq-len", type=int, default=512)
-    return p
 
 
 def main(argv=None) -> int:
@@ -80,49 +90,76 @@ def main(argv=None) -> int:
     signals.install()  # before any other thread starts
     args = _parser().parse_args(argv)
     quiet = os.environ.get("RANK", "0") != "0"  # under torchrun only rank 0 reports progress
-    logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
+    logging.basicConfig(level=logging.WARNING if quiet else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
     try:
-        if args.command == "run":
-            from .api import oneshot
-
-            oneshot(model=args.model, dataset=args.dataset, scheme=args.scheme,
-                    num_calibration_samples=args.num_samples, max_seq_length=args.seq_len,
-                    output_dir=args.output, state_dir=args.state, seed=args.seed,
-                    text_column=args.text_column, group_size=args.group_size, symmetric=not args.asym,
-                    actorder=None if args.actorder == "none" else args.actorder,
-                    dampening_frac=args.dampening_frac, block_size=args.block_size,
-                    ignore=tuple(args.ignore), restart=args.restart,
-                    trust_remote_code_model=args.trust_remote_code, chunk_size=args.chunk_size,
-                    moe_calibrate_all_experts=args.moe_calibrate == "all", attention=args.attention,
-                    eval_samples=args.eval_samples, collective_timeout=args.collective_timeout,
-                    recipe=args.recipe, coordinator=args.coordinator)
-        elif args.command == "export":
-            from .export import export
-            from .state import StateStore
-
-            print(export(StateStore(args.state), args.output))
-        elif args.command == "plan":
-            from .api import plan
-            from .recipe import Recipe
-
-            recipe = Recipe(scheme=args.scheme, group_size=args.group_size, ignore=("lm_head", *args.ignore))
-            print("\n".join(plan(args.model, args.world_size, recipe, args.layers)))
-        elif args.command == "status":
-            from .status import show
-
-            show(args.state, as_json=args.json, plot=args.plot, watch=args.watch)
-        elif args.command == "eval":
-            from .evaluate import perplexity
-
-            ppl = perplexity(args.model, args.dataset, args.num_samples, args.seq_len, args.text_column)
-            print(f"perplexity {ppl:.4f} on {args.num_samples} held-out samples of {args.seq_len} tokens")
+        _command(args)
     except UsageError as e:
-        print(f"elastic-oneshot: error: {e}", file=sys.stderr)
-        return 2
+        return _fail(str(e), 2)
+    except StorageError as e:
+        return _fail(f"{e}: free space or make it writable, then run again to resume", 4)
+    except OSError as e:  # a file outside the state's own writes (the export's, the model's)
+        where = f" on {e.filename}" if e.filename else ""
+        return _fail(f"I/O error{where}: {e.strerror or e} ({errno.errorcode.get(e.errno, e.errno)}): fix it, "
+                     "then run again to resume", 4)
     except signals.Preempted as e:
+        close_all()
         logging.getLogger("elastic_oneshot").warning("%s; nothing partial was committed: run again to resume", e)
         return signals.EXIT_CODE
     except StaleEpochError as e:
+        close_all()
         logging.getLogger("elastic_oneshot").error("fenced off: %s", e)
         return 3
+    except RuntimeError as e:
+        from .dist import rank_lost
+
+        if (reason := rank_lost(e)) is None:
+            raise
+        return _fail(f"another rank was lost ({reason}): leaving so that torchrun restarts the workers", 1)
     return 0
+
+
+def _fail(message: str, code: int) -> int:
+    """The one line of an error (EXIT_CODES in docs/troubleshooting.md), below the progress bar, not on it."""
+    close_all()
+    print(f"elastic-oneshot: error: {message}", file=sys.stderr)
+    return code
+
+
+def _command(args):
+    if args.command == "run":
+        from .api import oneshot
+
+        oneshot(model=args.model, dataset=args.dataset, scheme=args.scheme,
+                num_calibration_samples=args.num_samples, max_seq_length=args.seq_len,
+                output_dir=args.output, state_dir=args.state, seed=args.seed,
+                text_column=args.text_column, group_size=args.group_size, symmetric=not args.asym,
+                actorder=None if args.actorder == "none" else args.actorder,
+                dampening_frac=args.dampening_frac, block_size=args.block_size,
+                ignore=tuple(args.ignore), restart=args.restart,
+                trust_remote_code_model=args.trust_remote_code, chunk_size=args.chunk_size,
+                moe_calibrate_all_experts=args.moe_calibrate == "all", attention=args.attention,
+                eval_samples=args.eval_samples, collective_timeout=args.collective_timeout,
+                recipe=args.recipe, coordinator=args.coordinator, allow_long_seq=args.allow_long_seq)
+    elif args.command == "export":
+        from .export import export
+        from .records import open_records
+        from .state import StateStore
+
+        state = StateStore(args.state)
+        print(export(state, open_records(state), args.output))
+    elif args.command == "plan":
+        from .api import plan
+        from .recipe import Recipe
+
+        recipe = Recipe(scheme=args.scheme, group_size=args.group_size, ignore=("lm_head", *args.ignore))
+        print("\n".join(plan(args.model, args.world_size, recipe, args.layers)))
+    elif args.command == "status":
+        from .status import show
+
+        show(args.state, as_json=args.json, plot=args.plot, watch=args.watch)
+    elif args.command == "eval":
+        from .evaluate import perplexity
+
+        ppl = perplexity(args.model, args.dataset, args.num_samples, args.seq_len, args.text_column)
+        print(f"perplexity {ppl:.4f} on {args.num_samples} held-out samples of {args.seq_len} tokens")

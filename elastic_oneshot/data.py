@@ -7,6 +7,7 @@ rest with a seeded generator.
 """
 
 import ast
+import json
 import os
 import sysconfig
 
@@ -53,6 +54,7 @@ def iter_texts(spec: str, text_column: str = "text"):
         return
     import datasets
 
+    datasets.disable_progress_bars()  # its bars would interleave with ours, and with a one-line error
     if os.path.isdir(spec):
         try:
             ds = datasets.load_from_disk(spec)
@@ -65,7 +67,13 @@ def iter_texts(spec: str, text_column: str = "text"):
         loader = {"jsonl": "json", "json": "json", "txt": "text", "text": "text", "parquet": "parquet"}
         if ext not in loader:
             raise UsageError(f"unsupported dataset file {spec}: use .jsonl, .json, .txt or .parquet")
-        ds = datasets.load_dataset(loader[ext], data_files=spec, split="train")
+        _check_file(spec, loader[ext])
+        try:
+            ds = datasets.load_dataset(loader[ext], data_files=spec, split="train")
+        except Exception as e:  # datasets wraps the parser's error; its cause is what the user can act on
+            cause = e.__cause__ or e
+            raise UsageError(f"cannot read dataset {spec} ({type(cause).__name__}: "
+                             f"{(str(cause).splitlines() or [''])[0]})") from None
     elif spec.startswith(("/", ".", "~")) or spec.endswith((".jsonl", ".json", ".txt", ".parquet")):
         raise UsageError(f"dataset {spec} does not exist")
     else:
@@ -79,9 +87,34 @@ def iter_texts(spec: str, text_column: str = "text"):
     if text_column not in columns:
         raise UsageError(f"dataset {spec} has no column {text_column!r} (columns: "
                          f"{', '.join(columns)}); choose one with --text-column")
-    for row in ds:
+    for i, row in enumerate(ds):
+        if row[text_column] and not isinstance(row[text_column], str):
+            raise UsageError(f"dataset {spec} row {i}: column {text_column!r} holds "
+                             f"{type(row[text_column]).__name__}, not text; choose one with --text-column")
         if row[text_column]:
             yield row[text_column]
+
+
+def _check_file(spec: str, kind: str):
+    """An empty file or a line that is not JSON, named, rather than an error from inside `datasets`."""
+    if os.path.getsize(spec) == 0:
+        raise UsageError(f"dataset {spec} is empty: give a file with text")
+    if kind != "json":
+        return
+    with open(spec, encoding="utf-8", errors="replace") as f:
+        if spec.lower().endswith(".json"):  # one JSON document, or JSON lines under a .json name
+            try:
+                json.load(f)
+                return
+            except ValueError:
+                f.seek(0)
+        for number, line in enumerate(f, 1):
+            try:
+                if line.strip():
+                    json.loads(line)
+            except ValueError as e:
+                raise UsageError(f"dataset {spec} line {number} is not valid JSON ({e.msg}): "
+                                 "fix or remove it") from None
 
 
 def token_blocks(spec, tokenizer, seq_len: int, text_column: str, want_calib: int,
@@ -112,7 +145,9 @@ def token_blocks(spec, tokenizer, seq_len: int, text_column: str, want_calib: in
             block, buf = buf[:seq_len], buf[seq_len:]
             (holdout if n_blocks % HOLDOUT_EVERY == HOLDOUT_EVERY - 1 else pool).append(block)
             n_blocks += 1
-    as_tensor = lambda blocks: torch.tensor(blocks, dtype=torch.int64).reshape(-1, seq_len)
+
+    def as_tensor(blocks):
+        return torch.tensor(blocks, dtype=torch.int64).reshape(-1, seq_len)
     return as_tensor(pool), as_tensor(holdout[:want_holdout])
 
 

@@ -6,6 +6,7 @@ Without torchrun (no WORLD_SIZE), everything degenerates to one process and no c
 import datetime
 import logging
 import os
+import re
 import threading
 import time
 
@@ -15,6 +16,15 @@ import torch.distributed as dist
 from .errors import UsageError
 
 log = logging.getLogger("elastic_oneshot")
+
+
+_RANK_LOST = re.compile(r"(?:\[[^\]]*\] )?(.*?(?:Connection reset by peer|Connection closed by peer|Broken pipe))")
+
+
+def rank_lost(error: BaseException) -> str | None:
+    """gloo's words, if `error` says that another rank vanished (killed, or its node lost) mid-collective."""
+    found = _RANK_LOST.search(str(error)) if isinstance(error, RuntimeError) else None
+    return found.group(1) if found else None
 
 
 class World:

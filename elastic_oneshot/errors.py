@@ -1,4 +1,6 @@
-"""Errors the command line reports as one line, without a traceback."""
+"""Errors the command line reports as one line, without a traceback (docs/troubleshooting.md lists them)."""
+
+import errno
 
 
 class UsageError(Exception):
@@ -11,3 +13,12 @@ class CorruptStateError(UsageError):
 
 class StaleEpochError(Exception):
     """A newer epoch of workers has begun: this worker must not commit anything and should exit."""
+
+
+class StorageError(Exception):
+    """A state file could not be written (a full disk, a read-only or vanished directory). Nothing partial
+    is committed, so the same command resumes once the cause is fixed; the path and errno say where to look."""
+
+    def __init__(self, path: str, error: OSError):
+        code = errno.errorcode.get(error.errno, str(error.errno))
+        super().__init__(f"cannot write {path}: {error.strerror or error} ({code})")

@@ -9,7 +9,7 @@ import struct
 
 import torch
 import transformers
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from .errors import UsageError
 from .moe import make_quantizable
@@ -18,9 +18,35 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 
 
 def _read_header(path: str) -> bytes:
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        return f.read(n)
+    """A safetensors file's JSON header, checked against the file's size, so that a truncated or damaged
+    shard is reported by name before any work rather than when its tensors are first read."""
+    damaged = UsageError(f"model file {path} is truncated or damaged (not a readable safetensors file): "
+                         "restore it from the original model")
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(8)
+            n = struct.unpack("<Q", head)[0] if len(head) == 8 else size
+            raw = f.read(n) if n <= size - 8 else b""
+    except OSError as e:
+        raise UsageError(f"cannot read model file {path} ({e.strerror}): check that it exists and is "
+                         "readable") from None
+    try:
+        entries = [v for k, v in json.loads(raw).items() if k != "__metadata__"]
+        end = max((v["data_offsets"][1] for v in entries), default=0)
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+        raise damaged from None
+    if 8 + n + end != size:
+        raise damaged
+    return raw
+
+
+def _tied_groups(module: torch.nn.Module) -> list[tuple[list[str], torch.Tensor]]:
+    """The module's stored tensors, each with every name it goes by (tied weights have several)."""
+    groups: dict[int, tuple[list[str], torch.Tensor]] = {}
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        groups.setdefault(id(tensor), ([], tensor))[0].append(name)
+    return list(groups.values())
 
 
 class SourceModel:
@@ -53,7 +79,7 @@ class SourceModel:
             self.skeleton = transformers.AutoModelForCausalLM.from_config(
                 self.config, dtype=self.dtype, attn_implementation=attention,
                 trust_remote_code=trust_remote_code)
-        self.moe_blocks = make_quantizable(self.skeleton, self.config)
+        make_quantizable(self.skeleton, self.config)
         self.decoder = self.skeleton.get_decoder()
         self.layers = self.decoder.layers
         self.layer_prefix = next(n for n, m in self.skeleton.named_modules() if m is self.layers) + "."
@@ -75,6 +101,24 @@ class SourceModel:
         return {name: os.path.join(self.path, f) for f in files
                 for name in json.loads(_read_header(os.path.join(self.path, f))) if name != "__metadata__"}
 
+    def check_weights(self):
+        """Before any work: every tensor that a layer or the export reads is in a readable shard, with the shape
+        the config implies (tied weights need one of their names)."""
+        shapes, where = {}, {}
+        for shard in sorted(set(self.weight_map.values())):
+            for name, entry in json.loads(_read_header(shard)).items():
+                if name != "__metadata__":
+                    shapes[name], where[name] = tuple(entry["shape"]), shard
+        for names, tensor in _tied_groups(self.skeleton):
+            present = [n for n in names if n in shapes]
+            if not present:
+                raise UsageError(f"model {self.path} lacks tensor {names[0]}: the checkpoint is incomplete or "
+                                 "of another layout")
+            for name in present:
+                if shapes[name] != tuple(tensor.shape):
+                    raise UsageError(f"tensor {name} in {where[name]} has shape {list(shapes[name])}, but the "
+                                     f"config implies {list(tensor.shape)}: the weights do not match config.json")
+
     def digest(self) -> str:
         """Identity of the model: its config and the headers (names, dtypes, shapes, offsets) of its shards."""
         h = hashlib.sha256()
@@ -95,8 +139,12 @@ class SourceModel:
             by_file.setdefault(self.weight_map[n], []).append(n)
         out = {}
         for path, group in by_file.items():
-            with safe_open(path, "pt") as f:
-                out.update({n: f.get_tensor(n) for n in group})
+            try:
+                with safe_open(path, "pt") as f:
+                    out.update({n: f.get_tensor(n) for n in group})
+            except SafetensorError as e:  # changed since the start, where every header was checked
+                raise UsageError(f"model file {path} is truncated or damaged ({e}): restore it from the "
+                                 "original model, then run again to resume") from None
         return out
 
     def load(self, module: torch.nn.Module, prefix: str) -> torch.nn.Module:

@@ -3,6 +3,14 @@
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+_open: list["LayerBar"] = []
+
+
+def close_all():
+    """End every bar still drawn, so that an error line that follows starts on a line of its own."""
+    for bar in list(_open):
+        bar.close()
+
 
 class LayerBar:
     """One tick per committed layer; layers committed before this process started count as done, not as
@@ -14,6 +22,7 @@ class LayerBar:
         self._logs = logging_redirect_tqdm() if show and done < total else None
         if self._logs:
             self._logs.__enter__()
+        _open.append(self)
         self.update(done)
 
     def update(self, done: int):
@@ -24,6 +33,8 @@ class LayerBar:
             self.close()
 
     def close(self):
+        if self in _open:
+            _open.remove(self)
         self.bar.close()
         if self._logs:
             self._logs.__exit__(None, None, None)

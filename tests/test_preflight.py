@@ -1,0 +1,149 @@
+"""Refused at start, in one line, with the user's files untouched: export never deletes what it did not write, and
+everything checkable (paths, shards, tensors, --seq-len, the dataset) is checked before layer 0."""
+
+import os
+import shutil
+
+import pytest
+from conftest import run_cli, tree_digest
+from safetensors.torch import load_file, save_file
+
+JOB = ["--num-samples", 8, "--seq-len", 16, "--chunk-size", 4, "--group-size", 64]
+
+
+def refused(proc, fragment: str):
+    """Exit 2, one line on stderr that says `fragment`, and no traceback."""
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("elastic-oneshot: error: "), proc.stderr[-3000:]
+    assert fragment in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def finished(tiny_llama, tmp_path_factory):
+    """A finished job: its output and state."""
+    root = tmp_path_factory.mktemp("finished")
+    run_cli("run", "--model", tiny_llama, "--output", root / "out", "--state", root / "state", *JOB)
+    return root / "out", root / "state"
+
+
+@pytest.fixture
+def model_copy(tiny_llama, tmp_path):
+    return shutil.copytree(tiny_llama, tmp_path / "model")
+
+
+def user_files(path):
+    os.makedirs(path)
+    (path / "notes.txt").write_text("mine")
+    return tree_digest(path)
+
+
+# -- export never deletes ----------------------------------------------------------------------------------------------
+def test_run_refuses_an_output_holding_the_users_files(tiny_llama, tmp_path):
+    before = user_files(tmp_path / "out")
+    refused(run_cli("run", "--model", tiny_llama, "--output", tmp_path / "out", *JOB, check=False),
+            "exists and is not this job's checkpoint")
+    assert tree_digest(tmp_path / "out") == before
+    assert not (tmp_path / "out.state").exists()
+
+
+def test_export_refuses_an_output_holding_the_users_files(finished, tmp_path):
+    _, state = finished
+    before = user_files(tmp_path / "out")
+    refused(run_cli("export", "--state", state, "--output", tmp_path / "out", check=False),
+            "exists and is not this job's checkpoint")
+    assert tree_digest(tmp_path / "out") == before
+
+
+def test_output_that_is_a_file_is_refused(finished, tmp_path):
+    _, state = finished
+    (tmp_path / "out").write_text("mine")
+    refused(run_cli("export", "--state", state, "--output", tmp_path / "out", check=False), "is a file")
+    assert (tmp_path / "out").read_text() == "mine"
+
+
+@pytest.mark.parametrize("layout", ["output=model", "state inside output", "output inside state"])
+def test_model_state_and_output_must_be_separate(model_copy, tmp_path, layout):
+    output, state = {"output=model": (model_copy, tmp_path / "s"),
+                     "state inside output": (tmp_path / "out", tmp_path / "out" / "state"),
+                     "output inside state": (tmp_path / "st" / "out", tmp_path / "st")}[layout]
+    before = tree_digest(model_copy)
+    proc = run_cli("run", "--model", model_copy, "--output", output, "--state", state, *JOB, check=False)
+    refused(proc, "the same directory" if layout == "output=model" else "is inside")
+    assert tree_digest(model_copy) == before
+    assert not os.path.exists(state)
+
+
+def test_export_into_the_state_is_refused(finished):
+    _, state = finished
+    before = tree_digest(state)
+    refused(run_cli("export", "--state", state, "--output", state / "out", check=False), "is inside --state")
+    assert tree_digest(state) == before
+
+
+def test_this_jobs_checkpoint_is_replaced_and_nothing_else(finished, tmp_path):
+    out, state = finished
+    reference = tree_digest(out)
+    run_cli("export", "--state", state, "--output", out)  # its own checkpoint: replaced by an equal one
+    assert tree_digest(out) == reference
+    assert sorted(os.listdir(out.parent)) == ["out", "state"]  # no OUT.partial or OUT.old left
+    (out / "notes.txt").write_text("mine")
+    refused(run_cli("export", "--state", state, "--output", out, check=False), "this tool did not write (notes.txt)")
+    assert (out / "notes.txt").read_text() == "mine"
+    os.remove(out / "notes.txt")
+
+
+# -- checked before layer 0 --------------------------------------------------------------------------------------------
+def test_unwritable_output_and_state_are_refused(tiny_llama, tmp_path):
+    refused(run_cli("run", "--model", tiny_llama, "--output", "/proc/eo-test/out", "--state", tmp_path / "s", *JOB,
+                    check=False), "--output /proc/eo-test/out: cannot create a file in /proc")
+    refused(run_cli("run", "--model", tiny_llama, "--output", tmp_path / "o", "--state", "/proc/eo-test/s", *JOB,
+                    check=False), "--state /proc/eo-test/s: cannot create a file in /proc")
+    (tmp_path / "file").write_text("mine")
+    refused(run_cli("run", "--model", tiny_llama, "--output", tmp_path / "o", "--state", tmp_path / "file", *JOB,
+                    check=False), "is a file, not a directory")
+
+
+@pytest.mark.parametrize("size", [5, "half"])
+def test_truncated_shard_is_named(model_copy, tmp_path, size):
+    shard = model_copy / "model.safetensors"
+    os.truncate(shard, 5 if size == 5 else os.path.getsize(shard) // 2)
+    refused(run_cli("run", "--model", model_copy, "--output", tmp_path / "o", *JOB, check=False),
+            f"model file {shard} is truncated or damaged")
+
+
+@pytest.mark.parametrize("change", ["missing", "shape"])
+def test_a_late_layers_tensor_is_checked_before_layer_0(model_copy, tmp_path, change):
+    shard = model_copy / "model.safetensors"
+    tensors = load_file(shard)
+    name = "model.layers.3.mlp.down_proj.weight"
+    if change == "missing":
+        del tensors[name]
+    else:
+        tensors[name] = tensors[name][:, :64].contiguous()
+    save_file(tensors, shard, metadata={"format": "pt"})
+    proc = run_cli("run", "--model", model_copy, "--output", tmp_path / "o", *JOB, check=False)
+    refused(proc, f"lacks tensor {name}" if change == "missing" else f"tensor {name} in {shard} has shape [128, 64]")
+    assert not (tmp_path / "o.state").exists()
+
+
+def test_seq_len_bounds(tiny_llama, tmp_path):
+    out = ["--model", tiny_llama, "--output", tmp_path / "o", "--num-samples", 8]
+    refused(run_cli("run", *out, "--seq-len", 1, check=False), "--seq-len must be at least 2 tokens")
+    refused(run_cli("run", *out, "--seq-len", 600, check=False), "exceeds the model's context of 512 tokens")
+    (tmp_path / "small.txt").write_text("a few words\n")  # past the check, the dataset is what stops it
+    refused(run_cli("run", *out, "--seq-len", 600, "--allow-long-seq", "--dataset", tmp_path / "small.txt",
+                    check=False), "yields only 0 usable samples")
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("bad.jsonl", '{"text": "fine"}\nnot json\n', "line 2 is not valid JSON"),
+    ("empty.jsonl", "", "is empty"),
+    ("empty.txt", "", "is empty"),
+    ("numbers.jsonl", '{"text": 3}\n', "column 'text' holds int, not text"),
+])
+def test_unreadable_datasets_are_one_line(tiny_llama, tmp_path, name, content, message):
+    (tmp_path / name).write_text(content)
+    refused(run_cli("run", "--model", tiny_llama, "--output", tmp_path / "o", "--dataset", tmp_path / name, *JOB,
+                    check=False), message)
