@@ -9,6 +9,7 @@ import time
 import transformers
 
 from . import signals
+from .boundaries import parse_every
 from .data import calibration_samples
 from .default_model import default_model
 from .dist import World
@@ -36,7 +37,8 @@ def oneshot(model: str | None = None, dataset: str = "builtin", scheme: str = "W
             ignore: tuple[str, ...] = (), restart: bool = False, trust_remote_code_model: bool = False,
             chunk_size: int = 8, eval_samples: int = 0, collective_timeout: float = 60.0,
             moe_calibrate_all_experts: bool = True, coordinator: str | None = None,
-            attention: str = "eager", allow_long_seq: bool = False) -> str:
+            attention: str = "eager", allow_long_seq: bool = False, boundary_every: str | int = "auto",
+            mtbf_s: float | None = None) -> str:
     """Compress `model` with GPTQ, resumably; return the output directory.
 
     Arguments mirror llmcompressor's `oneshot` where they mean the same. `recipe` is what llmcompressor takes
@@ -45,6 +47,7 @@ def oneshot(model: str | None = None, dataset: str = "builtin", scheme: str = "W
     `<output_dir>.state`); calling again with the same arguments resumes. Under torchrun every rank calls this
     with the same arguments; rank 0 writes the checkpoint. `coordinator` (etcd://HOST:PORT/PREFIX) keeps epochs
     and commits in etcd. `allow_long_seq` permits `max_seq_length` past the model's max_position_embeddings.
+    `boundary_every` (auto, 0 or N layers) and `mtbf_s` set how often activations are written (boundaries.py).
     """
     world = World(timeout_s=collective_timeout)
     model = model or default_model()
@@ -58,12 +61,10 @@ def oneshot(model: str | None = None, dataset: str = "builtin", scheme: str = "W
                      moe_calibrate="all" if moe_calibrate_all_experts else "routed"))
     output_dir = output_dir or f"{os.path.basename(job.model.rstrip('/'))}-{recipe.scheme}"
     state_dir = state_dir or f"{output_dir.rstrip('/')}.state"
-    job, state, records, source, record = _open(job, state_dir, output_dir, coordinator, allow_long_seq)
+    job, state, records, source, record, by_layer = _open(job, state_dir, output_dir, coordinator, allow_long_seq)
     world.agree("the job (model, dataset, recipe and sampling arguments)", record["fingerprint"])
     world.agree("the coordinator", job.coordinator)
-    quantized = job.recipe.quantized_modules(source.skeleton)
-    check_divisible(job.recipe, source.linear_shapes(quantized))
-    runner = Runner(job, state, records, source, world, source.by_layer(quantized))
+    runner = Runner(job, state, records, source, world, by_layer, parse_every(boundary_every), mtbf_s)
     error = world.broadcast_object(_claim(state, records, record, job, restart) if world.rank == 0 else None)
     if error:
         raise UsageError(error)
@@ -115,7 +116,8 @@ def _recipe(recipe, options: Recipe) -> Recipe:
 
 def _open(job: Job, state_dir: str, output_dir: str, coordinator: str | None, allow_long_seq: bool):
     """Everything checkable before any work: where state and output go, the model's weights, the sequence
-    length, the output; then the state, its records and the job's record."""
+    length, the output, the recipe against the model; then the state, its records, the job's record and the
+    quantized modules per layer."""
     check_separate(model=job.model, state=state_dir, output=output_dir)
     check_writable(state_dir, "--state")
     check_writable(output_dir, "--output", beside=True)
@@ -127,7 +129,9 @@ def _open(job: Job, state_dir: str, output_dir: str, coordinator: str | None, al
     check_seq_len(job.seq_len, source.config, allow_long_seq)
     record = job_record(job, source.digest(), source.num_layers)
     check_output(output_dir.rstrip("/"), record["fingerprint"])
-    return job, state, records, source, record
+    quantized = job.recipe.quantized_modules(source.skeleton)
+    check_divisible(job.recipe, source.linear_shapes(quantized))
+    return job, state, records, source, record, source.by_layer(quantized)
 
 
 def _record_faults(state: StateStore, world: World, runner: Runner):

@@ -6,11 +6,26 @@ inverse of L (by row pieces): reversing L^-1 gives U. The pieces are fixed by th
 never depend on how many ranks compute them (plan.py deals them out; gptq.py does them all on one rank).
 """
 
+import contextlib
+
 import torch
 
 SHARED_INVERSE_COLS = 8192  # wider Hessians get their Cholesky and inverse in pieces that ranks can share
 CHOLESKY_PANEL = 256  # columns per panel of the Cholesky factor, and
 INVERSE_PIECE = 512  # rows per piece of its inverse: fixed, so results never depend on the world size
+
+
+@contextlib.contextmanager
+def one_thread():
+    """LAPACK's Cholesky, Cholesky inverse and triangular solves give other bits at other thread counts (plain
+    GEMMs do not): run inside on one thread, so that a job gives the same bits at any thread count per rank,
+    and a replay on another machine shape reproduces them. Usable as a decorator."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _pieces(cols: int, size: int) -> list[tuple[int, int]]:
@@ -35,6 +50,7 @@ def reversed_columns(damped: torch.Tensor) -> list[torch.Tensor]:
     return [a[s:, s:e].clone() for s, e in cholesky_panels(a.shape[-1])]
 
 
+@one_thread()
 def cholesky_panel(column: torch.Tensor) -> torch.Tensor:
     """Piece k of L from its column, with every earlier panel's update applied; NaN if not positive definite."""
     width = column.shape[-1]
@@ -71,6 +87,7 @@ def lower_factor(panels: list[torch.Tensor]) -> torch.Tensor | None:
     return chol
 
 
+@one_thread()
 def inverse_rows(chol: torch.Tensor, start: int, end: int) -> torch.Tensor:
     """Rows [start, end) of L^-1, columns up to `end` (those after are 0): they need only L[:end, :end],
     the panels up to `end`, so they can start while the Cholesky still runs; pieces are independent."""

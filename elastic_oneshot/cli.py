@@ -49,6 +49,12 @@ def _run_arguments(run):
     run.add_argument("--trust-remote-code", action="store_true")
     run.add_argument("--eval-samples", type=int, default=0,
                      help="print perplexity on this many held-out samples before and after")
+    run.add_argument("--boundary-every", default="auto", metavar="{auto,N,0}",
+                     help="write every rank's activations to the state every N layers (0: never), or when Young "
+                          "and Daly's interval says (auto); commits never wait for them (see docs/operations.md)")
+    run.add_argument("--mtbf", type=float, metavar="SECONDS",
+                     help="expected time between failures for --boundary-every auto (default: the job's own, "
+                          "from its restarts, else an hour)")
     run.add_argument("--collective-timeout", type=float, default=60.0,
                      help="seconds before a collective gives up on a silent rank (under torchrun)")
     run.add_argument("--coordinator", metavar="URL",
@@ -140,7 +146,8 @@ def _command(args):
                 trust_remote_code_model=args.trust_remote_code, chunk_size=args.chunk_size,
                 moe_calibrate_all_experts=args.moe_calibrate == "all", attention=args.attention,
                 eval_samples=args.eval_samples, collective_timeout=args.collective_timeout,
-                recipe=args.recipe, coordinator=args.coordinator, allow_long_seq=args.allow_long_seq)
+                recipe=args.recipe, coordinator=args.coordinator, allow_long_seq=args.allow_long_seq,
+                boundary_every=args.boundary_every, mtbf_s=args.mtbf)
     elif args.command == "export":
         from .export import export
         from .records import open_records

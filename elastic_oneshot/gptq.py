@@ -18,7 +18,15 @@ import torch
 from compressed_tensors.quantization import QuantizationArgs, QuantizationStrategy, fake_quantize
 from compressed_tensors.quantization.utils import calculate_qparams
 
-from .cholesky import assemble, blocked_cholesky, cholesky_panels, inverse_pieces, inverse_rows, reversed_columns
+from .cholesky import (
+    assemble,
+    blocked_cholesky,
+    cholesky_panels,
+    inverse_pieces,
+    inverse_rows,
+    one_thread,
+    reversed_columns,
+)
 
 DAMPING_RETRIES = 3  # each retry multiplies the damping fraction by 10
 
@@ -166,6 +174,7 @@ def factor(hessian: torch.Tensor, actorder, dampening_frac: float = 0.01) -> Pre
     return (Factored if wide else Prepared)(out, perm, dead, damping)
 
 
+@one_thread()
 def _damped_factor(h: torch.Tensor, frac: float, wide: bool) -> tuple[torch.Tensor | None, float]:
     for attempt in range(DAMPING_RETRIES + 1):
         f = frac if attempt == 0 else max(frac, 0.01) * 10**attempt

@@ -1,21 +1,20 @@
 """A layer's inputs on this rank: its sample chunks' hidden states, and the keyword arguments every
 decoder layer takes (position embeddings, mask).
 
-Layer 0's inputs are the embeddings; a later layer's are the committed boundary, the next chunk read
-ahead by the I/O thread. A boundary file that is missing or fails its checksum is replayed: recomputed
-from the newest earlier boundary through the committed quantized layers, and checked against the
-committed file's digest.
+The chunks' hidden states stay in host memory from one layer to the next (`keep`); storage is read only
+when they are not there: after a restart, a repartition, or a redo. Then they come from the newest
+durable boundary (boundaries.py) that reads back intact, else from the embeddings, replayed forward
+through the committed quantized layers.
 """
 
 import functools
 import logging
 from collections.abc import Callable
-from concurrent.futures import Executor
 
 import torch
 
 from . import signals
-from .errors import CorruptStateError, UsageError
+from .errors import CorruptStateError
 from .model import Embedder, SourceModel
 from .packing import unpack_into
 from .state import StateStore
@@ -37,16 +36,19 @@ def to_device(obj, device):
 class LayerInputs:
     """Inputs of any layer for this rank's chunks. `manifest(layer)` is the layer's commit; `quantized`
     lists each layer's quantized modules (names local to the layer); `chunks` are every chunk's sample
-    bounds, `own` the ids of this rank's."""
+    bounds, `own` the ids of this rank's; `durable(layer)` lists the durable boundaries at or below `layer`,
+    newest first, as (boundary layer, {chunk: file record})."""
 
     def __init__(self, state: StateStore, source: SourceModel, seq_len: int, scheme,
                  quantized: list[list[str]], chunks: list[tuple[int, int]], own: list[int], device,
-                 io: Executor, manifest: Callable[[int], dict]):
+                 manifest: Callable[[int], dict], durable: Callable[[int], list[tuple[int, dict]]]):
         self.state, self.source, self.seq_len, self.scheme = state, source, seq_len, scheme
         self.quantized, self.chunks, self.own, self.device = quantized, chunks, own, device
-        self.io, self.manifest = io, manifest
+        self.manifest, self.durable = manifest, durable
         self.embedder = Embedder(source)
         self._kwargs: dict = {}
+        self._held_layer: int | None = None
+        self._held: dict[int, torch.Tensor] = {}
 
     @functools.cached_property
     def tokens(self) -> torch.Tensor:
@@ -66,14 +68,22 @@ class LayerInputs:
         return torch.cat([y[0] if isinstance(y, tuple) else y for y in outputs])
 
     def each(self, layer: int):
-        """This rank's chunks with their inputs to `layer`, the next one read ahead in the background."""
-        ahead = None
-        for i, chunk in enumerate(self.own):
+        """This rank's chunks with their inputs to `layer`, on the device."""
+        if self._held_layer != layer:
+            self._restore(layer)
+        for chunk in self.own:
             signals.check(f"in layer {layer}")
-            x = self._inputs(layer, chunk, ahead.result() if ahead else None)
-            ahead = self.io.submit(self._read_boundary, layer, self.own[i + 1]) \
-                if layer > 0 and i + 1 < len(self.own) else None
-            yield chunk, x
+            yield chunk, self._held[chunk].to(self.device, non_blocking=True)
+
+    def keep(self, layer: int, inputs: dict[int, torch.Tensor]):
+        """This rank's chunks' inputs to `layer` (host tensors, see `to_host`), for the next `each(layer)`."""
+        self._held_layer, self._held = layer, inputs
+
+    def to_host(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` in host memory: pinned when it comes from a GPU, so that it goes back at full speed."""
+        if x.device.type == "cpu":
+            return x
+        return torch.empty(x.shape, dtype=x.dtype, pin_memory=True).copy_(x)
 
     def quantized_layer(self, layer: int) -> torch.nn.Module:
         """A committed layer with its quantized weights, on the device."""
@@ -88,42 +98,22 @@ class LayerInputs:
         """Put the layer's committed quantized weights (compressed `tensors`) into `module`."""
         unpack_into(module, f"{self.source.layer_prefix}{layer}.", self.quantized[layer], tensors, self.scheme)
 
-    def _read_boundary(self, layer: int, chunk: int) -> torch.Tensor | CorruptStateError:
-        """Chunk's committed inputs to `layer` > 0 as read from the state, or why they cannot be used
-        (the read-ahead runs this in the I/O thread; any recomputing is left to the main thread)."""
-        try:
-            return self.state.read_tensors(self.manifest(layer - 1)["boundary"][str(chunk)])["hidden_states"]
-        except CorruptStateError as e:
-            return e
-
-    def _inputs(self, layer: int, chunk: int, read=None) -> torch.Tensor:
-        """Chunk's inputs to `layer`: the embeddings, or the committed boundary (`read`, if read ahead);
-        replayed when the file is missing or fails its checksum."""
-        if layer == 0:
-            start, end = self.chunks[chunk]
-            return self.embedder(self.tokens[start:end]).to(self.device)
-        x = self._read_boundary(layer, chunk) if read is None else read
-        if isinstance(x, CorruptStateError):
-            log.warning("boundary %d chunk %d: %s; recomputing it from committed layers", layer, chunk, x)
-            return self._replay(layer, chunk, self.manifest(layer - 1)["boundary"][str(chunk)])
-        return x.to(self.device)
-
-    def _replay(self, layer: int, chunk: int, record: dict) -> torch.Tensor:
-        """Recompute the boundary file `record` (inputs of `layer`) from the newest readable earlier one."""
-        start, x = layer - 1, None
-        while start > 0 and x is None:
+    def _restore(self, layer: int):
+        """Inputs to `layer` from storage: the newest durable boundary at or below it that reads back intact,
+        else the embeddings, then forward through the committed layers in between."""
+        start, held = 0, None
+        for boundary, records in self.durable(layer):
             try:
-                record_in = self.manifest(start - 1)["boundary"][str(chunk)]
-                x = self.state.read_tensors(record_in)["hidden_states"].to(self.device)
-            except (CorruptStateError, KeyError, TypeError):
-                start -= 1
-        if x is None:
-            x = self._inputs(0, chunk)
+                held = {c: self.state.read_tensors(records[str(c)])["hidden_states"] for c in self.own}
+                start = boundary
+                break
+            except CorruptStateError as e:
+                log.warning("boundary %d: %s; replaying from an older one", boundary, e)
+        if held is None:
+            held = {c: self.embedder(self.tokens[slice(*self.chunks[c])]) for c in self.own}
+        if start < layer:
+            log.info("replaying layers %d..%d for %d chunks", start, layer - 1, len(self.own))
         for index in range(start, layer):
-            x = self.forward(self.quantized_layer(index), index, x)
-        rewritten = self.state.write_tensors(record["path"], {"hidden_states": x.cpu()})
-        if rewritten["sha256"] != record["sha256"]:
-            raise UsageError(f"recomputing {record['path']} from layers {start}..{layer - 1} did not reproduce the "
-                             "committed file: the computation is not deterministic here; resume with the thread count "
-                             "(OMP_NUM_THREADS) and hardware that wrote the state, or use --restart")
-        return x
+            module = self.quantized_layer(index)
+            held = {c: self.to_host(self.forward(module, index, x.to(self.device))) for c, x in held.items()}
+        self.keep(layer, held)

@@ -3,7 +3,8 @@
 Every (re)start of the workers begins an epoch that fences off older workers. Then, for each
 uncommitted layer: onload it from the checkpoint, calibrate (Hessians over this rank's chunks),
 solve (GPTQ by the weight-parallel plan), propagate (the next layer's inputs, with the quantized
-weights), commit (rank 0 records the layer's files once every rank's writes are durable).
+weights, kept in memory for the next layer), commit (rank 0 records the layer's weight files once every
+rank's are durable, and the newest boundary whose every chunk is: boundaries are written behind).
 """
 
 import contextlib
@@ -15,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from . import signals
+from .boundaries import Boundaries, mtbf_from
 from .calibration import Calibration
 from .data import chunk_bounds, partition
 from .dist import World
@@ -44,10 +46,11 @@ def _timed(seconds: dict, phase: str):
 
 class Runner:
     """One rank's part of the job. `quantized` lists each layer's quantized modules (names local to the
-    layer)."""
+    layer); `boundary_every` and `mtbf_s` (None: the job's own, from its events) set how often boundaries
+    are written (boundaries.py)."""
 
     def __init__(self, job: Job, state: StateStore, records: Records, source: SourceModel, world: World,
-                 quantized: list[list[str]]):
+                 quantized: list[list[str]], boundary_every: int | None = None, mtbf_s: float | None = None):
         self.job, self.state, self.records, self.source, self.world = job, state, records, source, world
         self.rank, self.device = world.rank, world.device
         self.epoch, self.committed = 0, {}  # set by begin_epoch(): this epoch, and layer -> epoch of its commit
@@ -60,7 +63,9 @@ class Runner:
         self.io = ThreadPoolExecutor(max_workers=1, initializer=torch.set_num_threads, initargs=(1,))
         own = list(partition(len(self.chunks), world.size, self.rank))
         self.inputs = LayerInputs(state, source, job.seq_len, self.scheme, quantized, self.chunks, own,
-                                  self.device, self.io, self.manifest)
+                                  self.device, self.manifest, self.durable)
+        self.boundaries = Boundaries(state, self.io, boundary_every, source.num_layers, len(self.chunks))
+        self.mtbf_s = mtbf_s
 
     def prefix(self, layer: int) -> str:
         return f"{self.source.layer_prefix}{layer}."
@@ -83,13 +88,15 @@ class Runner:
         if self.rank == 0:
             valid = self.verified()
             try:
-                start = {"epoch": self.records.begin_epoch(valid), "committed": valid}
+                mtbf = self.mtbf_s or mtbf_from(self.state.events(), time.time())
+                start = {"epoch": self.records.begin_epoch(valid), "committed": valid, "mtbf": mtbf}
             except StaleEpochError as e:
                 start = {"error": str(e)}
         start = self.world.broadcast_object(start)
         if "error" in start:
             raise StaleEpochError(start["error"])
         self.epoch, self.committed = start["epoch"], start["committed"]
+        self.boundaries.restart([b for b, _ in self.durable(self.source.num_layers)], start["mtbf"])
         if self.rank == 0:
             todo = [layer for layer in range(self.source.num_layers) if layer not in self.committed]
             self.state.append_event({"event": "start", "time": time.time(), "epoch": self.epoch,
@@ -111,12 +118,23 @@ class Runner:
                         self.process(layer)
                 intact = self.world.broadcast_object(self.verified() == self.committed if self.rank == 0 else None)
                 if intact:
+                    self.boundaries.drain()
                     return
                 self.begin_epoch()
 
     def manifest(self, layer: int) -> dict:
         """The commit of a layer committed in this epoch's view."""
         return self.records.manifest(layer, self.committed[layer])
+
+    def durable(self, layer: int) -> list[tuple[int, dict]]:
+        """The boundaries at or below `layer` that this epoch's commits record as durable, newest first, as
+        (boundary layer, {chunk: file record})."""
+        found = {}
+        for committed in sorted(self.committed):
+            entry = self.manifest(committed).get("boundary")
+            if entry and entry["layer"] <= layer:
+                found[entry["layer"]] = entry["chunks"]
+        return sorted(found.items(), reverse=True)
 
     # -- one layer ------------------------------------------------------------------------------------
     def process(self, layer: int):
@@ -133,9 +151,9 @@ class Runner:
             solved, notes = self.solve(module, layer, calib, groups)
             tensors.update(solved)
         with _timed(seconds, "propagate"):
-            boundary = self.propagate(layer, module, tensors)
+            self.propagate(layer, module, tensors)
         with _timed(seconds, "commit"):
-            self.commit(layer, boundary, notes, seconds)
+            self.commit(layer, notes, seconds)
         if self.rank == 0:
             self.state.append_event({"event": "commit", "layer": layer, "time": time.time(), "epoch": self.epoch,
                                      "world_size": self.world.size, "seconds": seconds})
@@ -171,17 +189,16 @@ class Runner:
         seconds["calibrate"] = time.perf_counter() - start - calib.seconds
         return calib
 
-    def propagate(self, layer: int, module, tensors: dict) -> dict:
-        """The next layer's inputs for this rank's chunks, through the quantized layer, written by the I/O
-        thread; chunk -> the write's future."""
+    def propagate(self, layer: int, module, tensors: dict):
+        """The next layer's inputs for this rank's chunks, through the quantized layer: kept in memory, and
+        handed to the I/O thread when a boundary is due."""
         self.inputs.unpack(module, layer, tensors)
-        boundary = {}
-        if layer < self.source.num_layers - 1:
-            for chunk, x in self.inputs.each(layer):
-                y = self.inputs.forward(module, layer, x).cpu()
-                rel = f"boundaries/{layer + 1:05d}/e{self.epoch:05d}/chunk-{chunk:05d}.safetensors"
-                boundary[chunk] = self.io.submit(self.state.write_tensors, rel, {"hidden_states": y})
-        return boundary
+        if layer == self.source.num_layers - 1:
+            return
+        outputs = {c: self.inputs.to_host(self.inputs.forward(module, layer, x)) for c, x in self.inputs.each(layer)}
+        self.inputs.keep(layer + 1, outputs)
+        if self.boundaries.due(layer + 1):
+            self.boundaries.submit(layer + 1, self.epoch, outputs)
 
     def solve(self, layer_module, layer: int, calib: Calibration, groups: list[Group]) -> tuple[dict, dict]:
         """GPTQ `groups` across ranks by the plan (executor.py). Sub-layer progress: this rank's owned groups
@@ -206,18 +223,18 @@ class Runner:
                 tensors.update(pack_group(prefix, g, results[g.name], self.scheme))
         return tensors, {name: {"damping": d} for g, d in executor.damping.items() for name, _ in g.modules}
 
-    def commit(self, layer: int, boundary: dict, notes: dict, seconds: dict):
-        """Once every rank's writes are durable, rank 0 commits the layer; then the layer counts as done."""
+    def commit(self, layer: int, notes: dict, seconds: dict):
+        """Once every rank's weight files are durable, rank 0 commits the layer, with the newest boundary that
+        became durable since the last commit; then the layer counts as done."""
         for f in self._writes:
             f.result()
-        mine = {"notes": notes,
-                "boundary": {str(c): {**f.result(), "samples": list(self.chunks[c])} for c, f in boundary.items()}}
-        everyone = self.world.gather_objects(mine)
+        everyone = self.world.gather_objects({"notes": notes, **self.boundaries.report(seconds)})
+        boundary = self.boundaries.settle(everyone)
         if self.rank == 0:
             self.records.commit(layer, self.epoch, {
                 "layer": layer, "epoch": self.epoch, "world_size": self.world.size,
                 "weights": [r["file"] for r in self.state.fence_solved(layer, self.epoch)],
-                "boundary": {c: r for m in everyone for c, r in sorted(m["boundary"].items())},
+                "boundary": boundary,
                 "modules": {n: v for m in everyone for n, v in sorted(m["notes"].items())},
                 "seconds": seconds,
             })
@@ -225,5 +242,6 @@ class Runner:
         self.committed[layer] = self.epoch
         if layer == 0:
             self.inputs.embedder.release()
-        if self.rank == 0:
-            self.state.prune_boundaries(below=layer, epoch=self.epoch, current_epoch=self.records.current_epoch())
+        if self.rank == 0 and boundary:
+            self.state.prune_boundaries(below=self.boundaries.prunable(), epoch=self.epoch,
+                                        current_epoch=self.records.current_epoch())

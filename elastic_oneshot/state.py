@@ -8,12 +8,14 @@ Layout (docs/state-format.md is the specification):
     layers/LLLLL/eEEEEE.rR.bBBBB.{safetensors,json}  solved groups of layer L (tensors, and the record
                                       naming them), written by rank R of epoch E as soon as solved
     layers/LLLLL/fence.eEEEEE.json    which older solved records epoch E reuses for layer L
-    boundaries/LLLLL/eEEEEE/chunk-CCCCC.safetensors  inputs of layer L for sample chunk C
+    boundaries/LLLLL/eEEEEE/chunk-CCCCC.safetensors  inputs of layer L for sample chunk C (boundaries.py)
     events.jsonl                      history for people and `status` (never trusted for progress)
 
 Every file is written to a temporary name, fsynced, renamed, and its directory fsynced. Files are
-listed with size and sha256 in the record that refers to them, and verified when read: a torn or
-altered file is reported, never used. Only safetensors and JSON are ever read back.
+listed with size and xxh3-128 digest in the record that refers to them (a fast non-cryptographic hash:
+it guards against torn and damaged files, not against an adversary, at memory speed), computed while
+writing and verified when read back: a torn or altered file is reported, never used. JSON records also
+carry a sha256 of their body. Only safetensors and JSON are ever read back.
 
 Fencing: every (re)start of the workers begins a new epoch by creating the next fence file, which
 cannot exist twice (link(2) fails on an existing name). A commit is created the same way, only while
@@ -35,12 +37,13 @@ import re
 import shutil
 
 import torch
+import xxhash
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from .errors import CorruptStateError, StorageError, UsageError
 
-FORMAT = 1
+FORMAT = 2  # 2: boundaries behind the commits, xxh3-128 file digests
 DEBRIS = re.compile(r".+\.tmp(\d+)")  # the temporary name of a write (write_bytes) that was interrupted
 
 
@@ -86,6 +89,11 @@ def _alive(pid: int) -> bool:
     return pid != 0
 
 
+def digest(data: bytes) -> str:
+    """The digest of a file's bytes, as its record keeps it."""
+    return xxhash.xxh3_128_hexdigest(data)
+
+
 def _canonical(obj) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
 
@@ -118,7 +126,7 @@ class StateStore:
 
     # -- files --------------------------------------------------------------------------------
     def write_bytes(self, rel: str, data: bytes, exclusive: bool = False) -> dict:
-        """Durably write `data` at `rel`; return its record {path, size, sha256}. With `exclusive`, fail
+        """Durably write `data` at `rel`; return its record {path, size, xxh3_128}. With `exclusive`, fail
         with FileExistsError if `rel` exists (atomically: the file appears by link(2), not rename). A disk
         that refuses (full, read-only) raises StorageError, and the temporary file is removed."""
         path = self.path(rel)
@@ -136,7 +144,7 @@ class StateStore:
             raise StorageError(path, e) from None
         if not placed:
             raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), path)
-        return {"path": rel, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        return {"path": rel, "size": len(data), "xxh3_128": digest(data)}
 
     def read_bytes(self, record: dict) -> bytes:
         path = self.path(record["path"])
@@ -147,7 +155,7 @@ class StateStore:
             raise CorruptStateError(f"{record['path']} is missing") from None
         if len(data) != record["size"]:
             raise CorruptStateError(f"{record['path']} has {len(data)} bytes, expected {record['size']}")
-        if hashlib.sha256(data).hexdigest() != record["sha256"]:
+        if digest(data) != record["xxh3_128"]:
             raise CorruptStateError(f"{record['path']} does not match its checksum")
         return data
 
@@ -232,7 +240,7 @@ class StateStore:
         """Write the calibration samples again, if they are byte for byte those that job.json records."""
         data = st_save({"input_ids": tokens.contiguous()})
         record = self.job()["tokens"]
-        if len(data) != record["size"] or hashlib.sha256(data).hexdigest() != record["sha256"]:
+        if len(data) != record["size"] or digest(data) != record["xxh3_128"]:
             raise UsageError(f"{record['path']} in {self.root} is lost or damaged, and the dataset now yields other "
                              "samples: restore the dataset, or use --restart to start over")
         self.write_bytes(record["path"], data)

@@ -17,6 +17,7 @@ import json
 import sys
 import time
 
+from .errors import CorruptStateError
 from .records import Records, open_records
 from .state import StateStore
 
@@ -31,7 +32,9 @@ def report(state: StateStore | str, now: float | None = None, records: Records |
     state = state if isinstance(state, StateStore) else StateStore(state)
     job = state.job()
     total, coordinator = job["num_layers"], job["job"].get("coordinator")
-    done = len((records or open_records(state)).committed())
+    records = records or open_records(state)
+    committed = records.committed()
+    done = len(committed)
     events = state.events()
     now = time.time() if now is None else now
     starts = [e for e in events if e["event"] == "start"]
@@ -69,7 +72,25 @@ def report(state: StateStore | str, now: float | None = None, records: Records |
         "redone_layers": sum(n - 1 for n in per_layer.values()),
         "faults": [e for e in events if e["event"] in FAULTS],
         "commits": [{"layer": c["layer"], "epoch": c["epoch"], "time": c["time"]} for c in commits],
+        **_replay(records, committed, total, commits),
     }
+
+
+def _replay(records: Records, committed: dict[int, int], total: int, commits: list[dict]) -> dict:
+    """The newest durable boundary below the next layer to do, and what a restart now would replay from it: the
+    layers in between, and their propagation seconds as last measured."""
+    following = next((layer for layer in range(total) if layer not in committed), total)
+    boundary = 0
+    for layer, epoch in committed.items():
+        try:
+            entry = (records.manifest(layer, epoch) or {}).get("boundary")
+        except CorruptStateError:
+            continue  # the run finds it too, and redoes that layer
+        if entry and boundary < entry["layer"] <= following:
+            boundary = entry["layer"]
+    propagate = {c["layer"]: c.get("seconds", {}).get("propagate", 0.0) for c in commits}
+    return {"durable_boundary": boundary, "replay_layers": following - boundary,
+            "replay_s": _round(sum(propagate.get(layer, 0.0) for layer in range(boundary, following)))}
 
 
 def render(r: dict) -> str:
@@ -90,6 +111,9 @@ def render(r: dict) -> str:
     lines.append(f"time lost to failures: {r['lost_s']:.1f} s in {len(r['lost_spans'])} spans "
                  "(last commit before a restart to the next layer start)")
     lines.append(f"layers redone: {r['redone_layers']}")
+    lines.append(f"newest durable boundary: inputs of layer {r['durable_boundary']}"
+                 + (" (the embeddings)" if r["durable_boundary"] == 0 else "")
+                 + f"; a restart now replays {r['replay_layers']} layers (about {r['replay_s']:.1f} s)")
     for f in r["faults"]:
         detail = f.get("reason") or f.get("error") or ""
         lines.append(f"fault: {f['event']} at {_clock(f['time'])} on rank {f.get('rank')} in epoch {f.get('epoch')}"

@@ -43,7 +43,7 @@ def test_kill_9_at_random_moments_then_resume(deep_llama, reference, tmp_path):
     rng = random.Random(1234)
     out, state = tmp_path / "out", tmp_path / "state"
     cmd = [sys.executable, "-m", "elastic_oneshot", "run", "--model", deep_llama, "--output", out,
-           "--state", state, *CLI_JOB]
+           "--state", state, *CLI_JOB, "--boundary-every", 3]
     kills, progress = 0, []
     while kills < 4:
         log = open(tmp_path / f"run{kills}.log", "w")
@@ -59,37 +59,52 @@ def test_kill_9_at_random_moments_then_resume(deep_llama, reference, tmp_path):
         progress.append(committed(state))
     assert kills >= 3, f"the job finished before it could be killed enough ({kills} kills)"
     assert progress == sorted(progress), "progress went backwards"
-    final = run_cli("run", "--model", deep_llama, "--output", out, "--state", state, *CLI_JOB)
+    final = run_cli("run", "--model", deep_llama, "--output", out, "--state", state, *CLI_JOB, "--boundary-every", 3)
     assert "resuming" in final.stderr
     print(f"\ncommitted layers after each of {kills} kills: {progress}")
     assert tree_digest(out) == reference
 
 
-def test_corrupt_files_are_redone_and_output_is_identical(deep_llama, reference, tmp_path, caplog):
-    out, state = str(tmp_path / "out"), str(tmp_path / "state")
-    oneshot(model=deep_llama, output_dir=out, state_dir=state, **JOB)
+def damage(path: str, truncate: bool = False):
+    with open(path, "r+b") as f:
+        if truncate:
+            f.truncate(100)
+        else:  # flip bytes inside
+            f.seek(os.path.getsize(path) // 2)
+            f.write(b"\xde\xad\xbe\xef")
 
-    weights = os.path.join(state, "layers/00002/e00001.r0.b0001.safetensors")
-    with open(weights, "r+b") as f:  # flip bytes inside a committed layer file
-        f.seek(os.path.getsize(weights) // 2)
-        f.write(b"\xde\xad\xbe\xef")
+
+def test_damaged_files_are_redone_or_replayed_around(deep_llama, reference, tmp_path, caplog):
+    out, state = str(tmp_path / "out"), str(tmp_path / "state")
+    oneshot(model=deep_llama, output_dir=out, state_dir=state, boundary_every=3, **JOB)
+    assert sorted(os.listdir(os.path.join(state, "boundaries"))) == ["00003", "00006"]
+
+    # A damaged boundary: the newest durable one below the layer to redo is replayed around.
+    damage(os.path.join(state, "boundaries/00006/e00001/chunk-00002.safetensors"), truncate=True)
+    os.remove(os.path.join(state, "commits/00007.e00001.json"))
+    shutil.rmtree(out)
+    with caplog.at_level(logging.INFO, logger="elastic_oneshot"):
+        oneshot(model=deep_llama, output_dir=out, state_dir=state, boundary_every=3, **JOB)
+    text = caplog.text
+    assert "boundary 6: boundaries/00006/e00001/chunk-00002.safetensors has 100 bytes" in text
+    assert "replaying layers 3..6 for 6 chunks" in text
+    assert re.findall(r"layer (\d+/\d+) committed", text) == ["8/8"]
+    assert tree_digest(out) == reference
+
+    # Damaged weights and a torn manifest: their layers are redone; no boundary is needed below layer 3.
+    damage(os.path.join(state, "layers/00002/e00001.r0.b0001.safetensors"))
     manifest = os.path.join(state, "commits/00005.e00001.json")
     with open(manifest, "r+b") as f:
         f.truncate(os.path.getsize(manifest) // 3)
-    chunk = os.path.join(state, "boundaries/00007/e00001/chunk-00002.safetensors")
-    with open(chunk, "r+b") as f:  # the input of the last layer, which we also uncommit
-        f.truncate(100)
-    os.remove(os.path.join(state, "commits/00007.e00001.json"))
-
-    shutil.rmtree(out)
+    caplog.clear()
     with caplog.at_level(logging.INFO, logger="elastic_oneshot"):
-        oneshot(model=deep_llama, output_dir=out, state_dir=state, **JOB)
+        oneshot(model=deep_llama, output_dir=out, state_dir=state, boundary_every=3, **JOB)
     text = caplog.text
     assert "layer 2 will be redone: layers/00002/e00001.r0.b0001.safetensors does not match its checksum" in text
     assert "layer 5 will be redone: commits/00005.e00001.json is not a readable record" in text
-    assert "boundary 7 chunk 2: boundaries/00007/e00001/chunk-00002.safetensors has 100 bytes" in text
-    assert re.findall(r"layer (\d+/\d+) committed", text) == ["3/8", "6/8", "8/8"]
+    assert re.findall(r"layer (\d+/\d+) committed", text) == ["3/8", "6/8"]
     assert "layer 2: 3 of 4 groups were solved before this restart; solving the other 1" in text
+    assert "replaying layers 0..1 for 6 chunks" in text
     assert tree_digest(out) == reference
 
 

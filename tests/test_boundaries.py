@@ -1,0 +1,102 @@
+"""Boundaries written behind the commits (boundaries.py): the policy, the accounting of durable ones, and
+bits that do not depend on the machine's shape (thread count per rank, world size)."""
+
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from conftest import one_thread_env, run_cli, torchrun_cmd, tree_digest
+
+from elastic_oneshot.boundaries import DEFAULT_MTBF_S, Boundaries, auto_interval, mtbf_from, parse_every
+from elastic_oneshot.errors import UsageError
+from elastic_oneshot.state import StateStore
+from elastic_oneshot.testing.tiny import make_model
+
+
+def test_parse_every():
+    assert parse_every("auto") is None and parse_every("0") == 0 and parse_every(3) == 3
+    for bad in ("-1", "often", "1.5"):
+        with pytest.raises(UsageError, match="--boundary-every"):
+            parse_every(bad)
+
+
+def test_auto_interval_is_young_daly_bounded_by_one_layer_of_replay():
+    # sqrt(2 * 2 s * 3600 s) = 120 s = 12 layers of 10 s, but a replay of 11 layers of 3 s propagation
+    # would cost 33 s > one layer: at most 1 + 10 / 3 = 4.
+    assert auto_interval(write_s=2, layer_s=10, propagate_s=3, mtbf_s=3600) == 4
+    assert auto_interval(write_s=2, layer_s=10, propagate_s=0.1, mtbf_s=3600) == 12
+    assert auto_interval(write_s=0.001, layer_s=10, propagate_s=3, mtbf_s=3600) == 1
+    assert auto_interval(write_s=50, layer_s=1, propagate_s=0.01, mtbf_s=3600) == 101
+
+
+def test_mtbf_from_the_jobs_own_restarts():
+    assert mtbf_from([], now=100.0) == DEFAULT_MTBF_S
+    events = [{"event": "start", "time": 0.0}, {"event": "commit", "time": 5.0}, {"event": "start", "time": 50.0}]
+    assert mtbf_from(events, now=100.0) == 50.0  # two starts so far, this one is the third
+
+
+def reports(*ranks):
+    return [{"written": w, "busy": busy, "write_s": 1.0, "seconds": {"calibrate": 8.0, "propagate": 2.0}}
+            for w, busy in ranks]
+
+
+def test_a_boundary_is_durable_once_every_chunk_is_written(tmp_path):
+    b = Boundaries(StateStore(str(tmp_path)), ThreadPoolExecutor(1), None, num_layers=30, num_chunks=3)
+    rec = {"path": "x", "size": 1, "xxh3_128": "0"}
+    assert b.due(1)  # nothing measured yet: write one
+    assert b.settle(reports(({4: {"0": rec}}, False), ({}, True))) is None  # rank 1 still writing chunks 1, 2
+    assert not b.due(5)  # a write in flight somewhere: skip, never queue
+    assert b.settle(reports(({}, False), ({4: {"1": rec, "2": rec}}, False))) == {
+        "layer": 4, "chunks": {"0": rec, "1": rec, "2": rec}}
+    b.last = 4
+    interval = auto_interval(1.0, 10.0, 2.0, DEFAULT_MTBF_S)
+    assert [b.due(4 + k) for k in range(1, interval + 1)] == [False] * (interval - 1) + [True]
+    assert b.prunable() == 0
+    b.settle(reports(({9: {"0": rec, "1": rec, "2": rec}}, False), ({}, False)))
+    assert b.durable == [4, 9] and b.prunable() == 4
+
+
+def test_every_n_and_never(tmp_path):
+    state, io = StateStore(str(tmp_path)), ThreadPoolExecutor(1)
+    assert [n for n in range(1, 10) if Boundaries(state, io, 3, 10, 2).due(n)] == [3, 6, 9]
+    assert not any(Boundaries(state, io, 0, 10, 2).due(n) for n in range(1, 10))
+    assert not Boundaries(state, io, 1, 10, 2).due(10)  # no layer 10: nothing to write
+
+
+def test_writes_one_in_flight_and_reports_it(tmp_path):
+    state = StateStore(str(tmp_path))
+    b = Boundaries(state, ThreadPoolExecutor(1), 1, 10, 2)
+    b.submit(1, 1, {0: torch.ones(2, 3), 1: torch.zeros(2, 3)})
+    b.submit(2, 1, {0: torch.ones(2, 3), 1: torch.zeros(2, 3)})  # waits for the first
+    first = b.settle([b.report({})])
+    assert first is None or first["layer"] == 1
+    b.drain()
+    done = b.settle([b.report({})])
+    assert done["layer"] == 2 and sorted(done["chunks"]) == ["0", "1"]
+    assert torch.equal(state.read_tensors(done["chunks"]["1"])["hidden_states"], torch.zeros(2, 3))
+
+
+JOB = ["--num-samples", 16, "--seq-len", 64, "--group-size", 64, "--chunk-size", 4, "--boundary-every", 1]
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    """Hessians of 256 and 512 columns: LAPACK's Cholesky gives other bits at other thread counts there."""
+    return make_model(str(tmp_path_factory.mktemp("models") / "wide"), "llama", hidden_size=256,
+                      intermediate_size=512, num_hidden_layers=2)
+
+
+def test_same_bits_at_any_thread_count_and_world_size(wide, tmp_path):
+    digests = {}
+    for name, threads, world in (("W=1 x 2 threads", "2", 1), ("W=1 x 1 thread", "1", 1), ("W=2 x 1 thread", "1", 2)):
+        out, env = tmp_path / name.replace(" ", ""), {**one_thread_env(), "OMP_NUM_THREADS": threads}
+        args = ["run", "--model", wide, "--output", out, *JOB]
+        if world == 1:
+            run_cli(*args, env=env)
+        else:
+            proc = subprocess.run(torchrun_cmd(world, *args), capture_output=True, text=True, env=env)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+        digests[name] = tree_digest(out)
+    first = next(iter(digests.values()))
+    assert all(d == first for d in digests.values()), {k: d["model.safetensors"][:12] for k, d in digests.items()}
