@@ -21,7 +21,7 @@ POOL_FACTOR = 4  # read until the calibration pool holds this many times the sam
 
 def builtin_texts():
     """Docstrings of the standard library: real English prose on every machine with Python. Files are
-    parsed as the reader asks for more (all of them take about 3 s here; a job reads a fraction)."""
+    parsed as the reader asks for more: parsing them all takes seconds, and a job reads a fraction."""
     root = sysconfig.get_paths()["stdlib"]
     skip = {"test", "tests", "site-packages", "idlelib", "lib2to3", "__pycache__", "turtledemo",
             "ensurepip", "dist-packages"}
