@@ -36,7 +36,8 @@ Choices:
   keep-alive has succeeded for a TTL (the node is frozen, or cut off from etcd, and its lease has expired or
   soon will): a partitioned node stops writing files. Safety does not rest on it (a stale epoch cannot commit,
   and a commit compares the committer's liveness key). 10 s rides through an etcd restart (a few seconds,
-  tests/test_etcd_records.py) without disturbing the workers, and matches the rendezvous' own retry budget: a longer outage ends the agents.
+  tests/test_etcd_records.py) without disturbing the workers, and matches the rendezvous' own retry budget: a
+  longer outage ends the agents.
 - Retries (tenacity, through etcd_client.EtcdClient): only reads, idempotent puts and compare-and-set
   transactions, each on this rank's own connection, never inside a collective; jittered exponential backoff for
   at most retry_timeout (8 s: below the process-group timeout and the rendezvous timeouts, so a commit stuck on
