@@ -1,8 +1,9 @@
 """The compressed-tensors checkpoint: committed layers plus every other tensor copied from the source.
 
-It is written to OUT.partial next to OUT and moved into place only when complete. It never deletes what it did
-not write: an existing OUT is replaced only if its marker file names this job and it holds nothing else than the
-files the marker lists; the previous checkpoint is moved to OUT.old, the new one moved in, then OUT.old removed.
+It is written to OUT.partial next to OUT and moved into place only when complete and loadable (loadable.py). It
+never deletes what it did not write: an existing OUT is replaced only if its marker file names this job and it
+holds nothing else than the files the marker lists; the previous checkpoint is moved to OUT.old, the new one
+moved in, then OUT.old removed.
 """
 
 import json
@@ -14,6 +15,7 @@ from safetensors.torch import save_file
 
 from .errors import CorruptStateError, UsageError
 from .job import Job
+from .loadable import check_loadable
 from .model import SourceModel
 from .preflight import check_separate, check_writable
 from .records import Records
@@ -49,7 +51,9 @@ def export(state: StateStore, records: Records, output: str, source: SourceModel
         if os.path.isfile(src) and fname not in ("config.json", MARKER) and not fname.endswith(WEIGHT_SUFFIXES):
             shutil.copyfile(src, os.path.join(partial, fname))
     shutil.copyfile(os.path.join(source.path, "config.json"), os.path.join(partial, "config.json"))
-    ModelCompressor(quantization_config=job.recipe.quantization_config(source.skeleton)).update_config(partial)
+    quantization = job.recipe.quantization_config(source.skeleton)
+    ModelCompressor(quantization_config=quantization).update_config(partial)
+    check_loadable(partial, source.skeleton, quantization, job.trust_remote_code)
     _write_marker(partial, fingerprint, sorted(set(os.listdir(partial)) - {MARKER}))
     _move_into_place(partial, out, fingerprint)
     return output

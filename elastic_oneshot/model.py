@@ -12,9 +12,7 @@ import transformers
 from safetensors import SafetensorError, safe_open
 
 from .errors import UsageError
-from .moe import make_quantizable
-
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+from .moe import fused_experts, make_quantizable
 
 
 def _read_header(path: str) -> bytes:
@@ -67,22 +65,36 @@ class SourceModel:
             self.config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
         except (ValueError, KeyError) as e:
             raise UsageError(f"cannot read {path}/config.json: {str(e).splitlines()[0]}") from e
-        model_type = self.config.model_type
-        if model_type not in SUPPORTED_MODEL_TYPES and not trust_remote_code:
-            arch = ",".join(getattr(self.config, "architectures", None) or [model_type])
-            raise UsageError(f"architecture {arch} (model_type {model_type!r}) is not supported; "
-                             f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
         self.dtype = self.config.dtype or torch.float32
         if isinstance(self.dtype, str):
             self.dtype = getattr(torch, self.dtype)
-        with torch.device("meta"):
-            self.skeleton = transformers.AutoModelForCausalLM.from_config(
-                self.config, dtype=self.dtype, attn_implementation=attention,
-                trust_remote_code=trust_remote_code)
-        make_quantizable(self.skeleton, self.config)
+        self.skeleton = self._skeleton(trust_remote_code, attention)
         self.decoder = self.skeleton.get_decoder()
-        self.layers = self.decoder.layers
+        self.layers = getattr(self.decoder, "layers", None)
+        if not isinstance(self.layers, torch.nn.ModuleList):
+            self._refuse(f"its decoder {type(self.decoder).__name__} has no stack of layers (.layers)")
+        fused = fused_experts(self.skeleton)
+        if fused:
+            self._refuse(f"its experts {fused[0]} ({type(self.skeleton.get_submodule(fused[0])).__name__}) are "
+                         "fused in a layout that cannot be split into Linear modules")
         self.layer_prefix = next(n for n, m in self.skeleton.named_modules() if m is self.layers) + "."
+
+    def _skeleton(self, trust_remote_code: bool, attention: str) -> torch.nn.Module:
+        """The causal LM on the meta device, its fused experts split into Linear modules."""
+        try:
+            with torch.device("meta"):
+                skeleton = transformers.AutoModelForCausalLM.from_config(
+                    self.config, dtype=self.dtype, attn_implementation=attention,
+                    trust_remote_code=trust_remote_code)
+        except (ValueError, KeyError, ImportError) as e:
+            self._refuse(str(e).splitlines()[0] if str(e) else type(e).__name__)
+        make_quantizable(skeleton)
+        return skeleton
+
+    def _refuse(self, reason: str):
+        """Support is what the layer-by-layer loop needs; a model that lacks it is refused before any work."""
+        arch = ",".join(getattr(self.config, "architectures", None) or [self.config.model_type])
+        raise UsageError(f"architecture {arch} (model_type {self.config.model_type!r}) is not supported: {reason}")
 
     @property
     def num_layers(self) -> int:
@@ -154,10 +166,27 @@ class SourceModel:
         tensors = self.read([prefix + k for k in state])
         module.load_state_dict({k: tensors[prefix + k].to(v.dtype) for k, v in state.items()},
                                assign=True, strict=True)
+        for sub in module.modules():
+            self._build_buffers(sub)
         if any(b.is_meta for b in module.buffers()):
             raise UsageError(f"{type(module).__name__} has buffers not stored in the checkpoint: "
                              "unsupported architecture")
         return module.requires_grad_(False).eval()
+
+    def _build_buffers(self, module: torch.nn.Module):
+        """Buffers the checkpoint does not carry (Gemma's embed_scale), built as transformers builds them: by the
+        model's own weight initialization, run on a copy whose parameters stay on the meta device (untouched)."""
+        meta = [name for name, b in module.named_buffers(recurse=False) if b.is_meta]
+        if not meta:
+            return
+        probe = copy.copy(module)
+        probe._buffers = {n: torch.empty_like(b, device="cpu") if n in meta else b for n, b in module._buffers.items()}
+        probe._parameters = {n: torch.nn.Parameter(p.detach().to("meta"), p.requires_grad) if p is not None else None
+                             for n, p in module._parameters.items()}
+        with torch.no_grad():
+            self.skeleton._init_weights(probe)
+        for name in meta:
+            module._buffers[name] = probe._buffers[name]
 
     def load_layer(self, index: int) -> torch.nn.Module:
         return self.load(self.layers[index], f"{self.layer_prefix}{index}.")

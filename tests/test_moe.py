@@ -16,7 +16,7 @@ from test_spine import int_codes
 from elastic_oneshot import oneshot
 from elastic_oneshot.data import heldout_samples
 from elastic_oneshot.model import SourceModel
-from elastic_oneshot.moe import MoEBlock
+from elastic_oneshot.moe import Experts
 from elastic_oneshot.testing.peer import run_peer
 from elastic_oneshot.testing.tiny import make_moe
 
@@ -32,8 +32,8 @@ def tiny_moe(tmp_path_factory):
 def test_calibration_block_output_equals_original(tiny_moe, all_experts):
     original = transformers.AutoModelForCausalLM.from_pretrained(tiny_moe).model.layers[0].mlp
     ours = SourceModel(tiny_moe).load_layer(0).mlp
-    assert isinstance(ours, MoEBlock) and len(ours.experts) == 8
-    ours.all_experts = all_experts
+    assert isinstance(ours.experts, Experts) and len(ours.experts) == 8
+    ours.experts.all_experts = all_experts
     x = torch.randn(3, 40, 128)
     with torch.no_grad():
         expected, got = original(x), ours(x)

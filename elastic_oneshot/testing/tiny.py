@@ -1,5 +1,6 @@
 """Tiny real transformers models and a real tokenizer, built locally (no hub)."""
 
+import functools
 import itertools
 import json
 import os
@@ -28,6 +29,41 @@ CONFIGS = {
         num_attention_heads=4, num_key_value_heads=2, head_dim=32,
         max_position_embeddings=512, tie_word_embeddings=True),
 }
+
+
+# Every decoder of the sweep at one tiny size: 2 layers, hidden 64, 4 heads (2 for keys and values) of 16; for
+# mixtures, 4 experts, 2 per token, with every layer sparse. Each config class takes the names it knows.
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, max_position_embeddings=256, tie_word_embeddings=False)
+TINY_MOE = dict(num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                shared_expert_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=0, n_group=1,
+                topk_group=1, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
+TINY_TYPE = {  # what a type needs besides: sizes it derives differently, or layouts to keep small
+    "deepseek_v3": dict(num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=16,
+                        qk_nope_head_dim=16, v_head_dim=16),
+    "glm4_moe": dict(partial_rotary_factor=0.5),
+    "qwen3_next": dict(layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+                       linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16),
+}
+
+
+def make_tiny(path: str, model_type: str, moe: bool = False, seed: int = 0) -> str:
+    """Save a tiny random model of any transformers `model_type` (its config class's defaults, at the sweep's
+    size) with the tokenizer; weights drawn as in `make_model`, so that layers differ."""
+    tokenizer = _shared_tokenizer()
+    sizes = {**TINY, **(TINY_MOE if moe else {}), **TINY_TYPE.get(model_type, {})}
+    config = transformers.AutoConfig.for_model(model_type, vocab_size=len(tokenizer), **sizes)
+    config.bos_token_id, config.eos_token_id, config.pad_token_id = (
+        tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.eos_token_id)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2 and "embed" not in name:
+                p.normal_(0, 0.08)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
 
 
 def make_tokenizer(vocab_size: int = 512) -> transformers.PreTrainedTokenizerFast:
@@ -59,6 +95,11 @@ def make_model(path: str, arch: str = "llama", seed: int = 0, dtype=torch.float3
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+@functools.cache
+def _shared_tokenizer() -> transformers.PreTrainedTokenizerFast:
+    return make_tokenizer()
 
 
 def set_architecture(path: str, architecture: str):
