@@ -41,7 +41,7 @@ Choices:
 - Retries (tenacity, through etcd_client.EtcdClient): only reads, idempotent puts and compare-and-set
   transactions, each on this rank's own connection, never inside a collective; jittered exponential backoff for
   at most retry_timeout (8 s: below the process-group timeout and the rendezvous timeouts, so a commit stuck on
-  etcd fails before its peers give up on it). A compare-and-set retried after a lost reply recognises its own
+  etcd fails before the other ranks give up on it). A compare-and-set retried after a lost reply recognises its own
   write (the same bytes, or the fence's nonce) and succeeds. Granting a lease is the one non-idempotent call;
   a duplicate grant leaves an orphan lease that expires after its TTL.
 - Progress is followed by polling (watch_progress): etcd3 0.12's watches do not resume after an etcd restart and

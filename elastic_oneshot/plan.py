@@ -265,9 +265,9 @@ def describe(plan: Plan) -> list[str]:
     makespan and balance."""
     lines = []
     for rank in range(plan.world_size):
-        mine = [s for s in plan.steps if s.rank == rank]
+        steps = [s for s in plan.steps if s.rank == rank]
         names = []
-        for s in mine:
+        for s in steps:
             name = "+".join([s.group.modules[0][0]] + [n.rsplit(".", 1)[-1] for n, _ in s.group.modules[1:]])
             names.append(name + {StepKind.WHOLE: "", StepKind.FACTOR: " factor",
                                  StepKind.PANEL: f" cholesky[cols {s.start}:{s.end}]",
@@ -275,7 +275,7 @@ def describe(plan: Plan) -> list[str]:
                                  StepKind.INVERT: f" inverse[rows {s.start}:{s.end}]",
                                  StepKind.SOLVE: f"[rows {s.start}:{s.end}]"}[s.kind])
         shown = ", ".join(names) if len(names) <= 6 else f"{len(names)} steps"
-        lines.append(f"  rank {rank}: {sum(s.cost for s in mine):8.3f} s  {shown}")
+        lines.append(f"  rank {rank}: {sum(s.cost for s in steps):8.3f} s  {shown}")
     lines.append(f"  makespan {plan.makespan:.3f} s, ideal {plan.total / plan.world_size:.3f} s, "
                  f"balance {plan.balance:.3f}")
     return lines
