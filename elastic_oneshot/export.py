@@ -53,7 +53,7 @@ def export(state: StateStore, records: Records, output: str, source: SourceModel
     shutil.copyfile(os.path.join(source.path, "config.json"), os.path.join(partial, "config.json"))
     quantization = job.recipe.quantization_config(source.skeleton)
     ModelCompressor(quantization_config=quantization).update_config(partial)
-    check_loadable(partial, source.skeleton, quantization, job.trust_remote_code)
+    check_loadable(partial, source, quantization, job.trust_remote_code)
     _write_marker(partial, fingerprint, sorted(set(os.listdir(partial)) - {MARKER}))
     _move_into_place(partial, out, fingerprint)
     return output
@@ -127,12 +127,14 @@ def _committed_weights(state: StateStore, records: Records, record: dict) -> dic
 
 
 def _write_weights(directory: str, source: SourceModel, quantized: dict):
-    """The source's tensors with the quantized ones in place of the weights they replace, in shards."""
+    """The source's tensors with the quantized ones in place of the weights they replace, in shards, under the
+    names the source stores them by."""
+    quantized = {source.stored_name(k): v for k, v in quantized.items()}
     replaced = {k.rsplit(".", 1)[0] + ".weight" for k in quantized}
     names = sorted([n for n in source.weight_map if n not in replaced] + list(quantized))
     shards, current, size = [], {}, 0
     for name in names:
-        tensor = quantized[name] if name in quantized else source.read([name])[name]
+        tensor = quantized[name] if name in quantized else source.read_stored([name])[name]
         nbytes = tensor.numel() * tensor.element_size()
         if current and size + nbytes > SHARD_BYTES:
             shards.append(current)

@@ -20,33 +20,44 @@ from transformers.core_model_loading import WeightConverter, rename_source_key
 from transformers.quantizers.auto import get_hf_quantizer
 
 from .errors import UsageError
-from .model import _read_header
+from .model import SourceModel, _read_header
 
 
-def check_loadable(directory: str, skeleton: torch.nn.Module, quantization: QuantizationConfig,
+def check_loadable(directory: str, source: SourceModel, quantization: QuantizationConfig,
                    trust_remote_code: bool = False):
-    """Refuse the checkpoint in `directory` (written from `skeleton` with `quantization`), naming what is wrong."""
+    """Refuse the checkpoint in `directory` (written from `source` with `quantization`), naming what is wrong."""
     written = set()
     for fname in sorted(os.listdir(directory)):
         if fname.endswith(".safetensors"):
             written.update(json.loads(_read_header(os.path.join(directory, fname))))
     written.discard("__metadata__")
     ignored = set(quantization.ignore or ())
-    unquantized = [name for name, m in skeleton.named_modules() if isinstance(m, torch.nn.Linear)
-                   and name not in ignored and f"{name}.weight_packed" not in written]
+    unquantized = [name for name, m in source.skeleton.named_modules() if isinstance(m, torch.nn.Linear)
+                   and name not in ignored and source.stored_name(f"{name}.weight_packed") not in written]
     if unquantized:
         _fail(directory, f"{len(unquantized)} Linear modules neither quantized nor in ignore", unquantized)
-    missing, unexpected = load_keys(directory, written, trust_remote_code)
+    model, quantizer = _loader_model(directory, trust_remote_code)
+    missing, unexpected = _load_keys(model, quantizer, written)
     if missing:
         _fail(directory, f"transformers would find {len(missing)} tensors missing", missing)
     if unexpected:
         _fail(directory, f"transformers would find {len(unexpected)} tensors unexpected", unexpected)
+    try:  # as the loader initializes what it did not load: a quantized module may lack what that expects
+        model.initialize_weights()
+    except AttributeError as e:
+        _fail(directory, "transformers cannot initialize the model it describes", [str(e)])
 
 
 def load_keys(directory: str, names: set[str], trust_remote_code: bool = False) -> tuple[list[str], list[str]]:
     """The keys transformers' `from_pretrained(directory)` would report missing and unexpected, were the
     checkpoint's tensors `names`: its names renamed by the model's conversions, against the state dict of the
     model built as the loader builds it (tied weights count as present when their source is)."""
+    return _load_keys(*_loader_model(directory, trust_remote_code), names)
+
+
+def _loader_model(directory: str, trust_remote_code: bool):
+    """The model that transformers' loader builds for the checkpoint in `directory`, on the meta device, with its
+    quantizer (which has applied the checkpoint's quantization to it)."""
     config = transformers.AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
     quantizer, config, _ = get_hf_quantizer(config, None, None, True, {})
     with torch.device("meta"), contextlib.redirect_stderr(io.StringIO()):  # compressed-tensors' progress bars
@@ -54,6 +65,10 @@ def load_keys(directory: str, names: set[str], trust_remote_code: bool = False) 
         if quantizer is not None:
             quantizer.preprocess_model(model=model, dtype=model.dtype, device_map=None, checkpoint_files=None,
                                        use_kernels=False)
+    return model, quantizer
+
+
+def _load_keys(model, quantizer, names: set[str]) -> tuple[list[str], list[str]]:
     expected = model.state_dict()
     transforms = get_model_conversion_mapping(model, None, quantizer)
     renamings = [t for t in transforms if not isinstance(t, WeightConverter)]

@@ -13,6 +13,7 @@ from safetensors import SafetensorError, safe_open
 
 from .errors import UsageError
 from .moe import fused_experts, make_quantizable
+from .stored_names import stored_names
 
 
 def _read_header(path: str) -> bytes:
@@ -122,14 +123,28 @@ class SourceModel:
                 if name != "__metadata__":
                     shapes[name], where[name] = tuple(entry["shape"]), shard
         for names, tensor in _tied_groups(self.skeleton):
-            present = [n for n in names if n in shapes]
+            present = [n for n in names if self.stored_name(n) in shapes]
             if not present:
                 raise UsageError(f"model {self.path} lacks tensor {names[0]}: the checkpoint is incomplete or "
                                  "of another layout")
-            for name in present:
+            for name in map(self.stored_name, present):
                 if shapes[name] != tuple(tensor.shape):
                     raise UsageError(f"tensor {name} in {where[name]} has shape {list(shapes[name])}, but the "
                                      f"config implies {list(tensor.shape)}: the weights do not match config.json")
+
+    @functools.cached_property
+    def stored(self) -> dict[str, str]:
+        """Skeleton tensor name -> the checkpoint's, where transformers' loader converts one into the other."""
+        return stored_names(self.skeleton, self.weight_map)
+
+    def stored_name(self, name: str) -> str:
+        """The checkpoint's name for a skeleton tensor, or for one that the export writes in place of a weight
+        (a quantized weight's `weight_packed` goes where its `weight` was stored)."""
+        if name in self.stored:
+            return self.stored[name]
+        module, _, leaf = name.rpartition(".")
+        weight = self.stored.get(f"{module}.weight")
+        return f"{weight.rpartition('.')[0]}.{leaf}" if weight else name
 
     def digest(self) -> str:
         """Identity of the model: its config and the headers (names, dtypes, shapes, offsets) of its shards."""
@@ -143,6 +158,13 @@ class SourceModel:
         return h.hexdigest()
 
     def read(self, names) -> dict[str, torch.Tensor]:
+        """Tensors by their skeleton names."""
+        stored = {n: self.stored_name(n) for n in names}
+        tensors = self.read_stored(list(stored.values()))
+        return {n: tensors[s] for n, s in stored.items()}
+
+    def read_stored(self, names) -> dict[str, torch.Tensor]:
+        """Tensors by the checkpoint's names."""
         missing = [n for n in names if n not in self.weight_map]
         if missing:
             raise UsageError(f"{self.path} lacks tensors {missing[:3]}: unsupported checkpoint layout")

@@ -42,14 +42,18 @@ TINY_TYPE = {  # what a type needs besides: sizes it derives differently, or lay
     "deepseek_v3": dict(num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=16,
                         qk_nope_head_dim=16, v_head_dim=16),
     "glm4_moe": dict(partial_rotary_factor=0.5),
+    # experts of intermediate_size: kept equal to the moe_intermediate_size that every mixture here is given, which
+    # llmcompressor's linearization reads where present
+    **{t: dict(intermediate_size=32) for t in ("mixtral", "phimoe", "granitemoe")},
     "qwen3_next": dict(layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
                        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16),
 }
 
 
-def make_tiny(path: str, model_type: str, moe: bool = False, seed: int = 0) -> str:
+def make_tiny(path: str, model_type: str, moe: bool = False, seed: int = 0, attention: bool = True) -> str:
     """Save a tiny random model of any transformers `model_type` (its config class's defaults, at the sweep's
-    size) with the tokenizer; weights drawn as in `make_model`, so that layers differ."""
+    size) with the tokenizer; weights drawn as in `make_model`, so that layers differ. `attention=False` zeroes
+    o_proj, so that attention adds nothing."""
     tokenizer = _shared_tokenizer()
     sizes = {**TINY, **(TINY_MOE if moe else {}), **TINY_TYPE.get(model_type, {})}
     config = transformers.AutoConfig.for_model(model_type, vocab_size=len(tokenizer), **sizes)
@@ -60,7 +64,7 @@ def make_tiny(path: str, model_type: str, moe: bool = False, seed: int = 0) -> s
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() >= 2 and "embed" not in name:
-                p.normal_(0, 0.08)
+                p.normal_(0, 0.08 if attention or "o_proj" not in name else 0.0)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
