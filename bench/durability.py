@@ -137,7 +137,7 @@ def per_byte(work: str) -> tuple[float, float, float, float]:
     import xxhash
 
     data = os.urandom(256 * 2**20)
-    path = os.path.join(work, "probe")
+    path = os.path.join(work, "bytes.bin")
     t = time.perf_counter()
     with open(path, "wb") as f:
         f.write(data)

@@ -35,6 +35,12 @@ from .state import StateStore
 log = logging.getLogger("elastic_oneshot")
 
 
+def _io_thread() -> ThreadPoolExecutor:
+    """A thread that only moves bytes, with one OpenMP thread (a second libgomp team throttles the main thread's
+    spin-waits); computing stays on the main thread, so its bits never depend on the thread."""
+    return ThreadPoolExecutor(max_workers=1, initializer=torch.set_num_threads, initargs=(1,))
+
+
 @contextlib.contextmanager
 def _timed(seconds: dict, phase: str):
     start = time.perf_counter()
@@ -57,18 +63,12 @@ class Runner:
         self.scheme = job.recipe.quant_scheme
         self.chunks = chunk_bounds(job.num_samples, job.chunk_size)
         self.layer_modules = quantized
-        # The I/O thread only moves bytes (reads, checksums, writes), with one OpenMP thread: a second
-        # libgomp team makes both throttle their spin-waits (small ops such as MoE experts slow down
-        # several times); computing stays on the main thread, so its bits never depend on the thread.
-        self.io = ThreadPoolExecutor(max_workers=1, initializer=torch.set_num_threads, initargs=(1,))
+        self.io = _io_thread()  # solved groups; boundaries have their own, so a commit never queues behind one
         own = list(partition(len(self.chunks), world.size, self.rank))
         self.inputs = LayerInputs(state, source, job.seq_len, self.scheme, quantized, self.chunks, own,
                                   self.device, self.manifest, self.durable)
-        self.boundaries = Boundaries(state, self.io, boundary_every, source.num_layers, len(self.chunks))
+        self.boundaries = Boundaries(state, _io_thread(), boundary_every, source.num_layers, len(self.chunks))
         self.mtbf_s = mtbf_s
-
-    def prefix(self, layer: int) -> str:
-        return f"{self.source.layer_prefix}{layer}."
 
     # -- epochs ---------------------------------------------------------------------------------------
     def verified(self) -> dict[int, int]:
@@ -204,7 +204,8 @@ class Runner:
         """GPTQ `groups` across ranks by the plan (executor.py). Sub-layer progress: this rank's owned groups
         go to disk as soon as they are solved (written by the I/O thread; the commit waits for them).
         Returns the compressed tensors of these groups and this rank's notes."""
-        modules, prefix, tensors, written = dict(layer_module.named_modules()), self.prefix(layer), {}, set()
+        modules, tensors, written = dict(layer_module.named_modules()), {}, set()
+        prefix = f"{self.source.layer_prefix}{layer}."
 
         def persist(solved: list):
             packed = {k: v for g, result in solved for k, v in pack_group(prefix, g, result, self.scheme).items()}
