@@ -25,6 +25,7 @@ from .recipe_loader import load_recipe
 from .records import Records, open_records
 from .runner import Runner
 from .state import StateStore
+from .storage import is_url
 
 log = logging.getLogger("elastic_oneshot")
 
@@ -43,12 +44,11 @@ def oneshot(model: str | None = None, dataset: str = "builtin", scheme: str = "W
 
     Arguments mirror llmcompressor's `oneshot` where they mean the same. `recipe` is what llmcompressor takes
     (a GPTQModifier, a list of modifiers, a YAML file or text; see recipe_loader) or a Recipe; without it, `scheme`
-    and the GPTQ arguments after `text_column` make one. `state_dir` holds the progress (default:
-    `<output_dir>.state`); calling again with the same arguments resumes. Under torchrun every rank calls this
-    with the same arguments; rank 0 writes the checkpoint. `coordinator` (etcd://HOST:PORT/PREFIX) keeps epochs
-    and commits in etcd. `allow_long_seq` permits `max_seq_length` past the model's max_position_embeddings.
-    `boundary_every` (auto, 0 or N layers) and `mtbf_s` set how often activations are written (boundaries.py).
-    """
+    and the GPTQ arguments after `text_column` make one. `state_dir` holds the progress (default: `<output_dir>.state`;
+    a URL puts it on object storage: storage.py); calling again with the same arguments resumes. Under torchrun
+    every rank calls this with the same arguments; rank 0 writes the checkpoint. `coordinator` (etcd://HOST:PORT/
+    PREFIX) keeps epochs and commits in etcd. `allow_long_seq` permits `max_seq_length` past max_position_embeddings.
+    `boundary_every` (auto, 0 or N layers) and `mtbf_s` set how often activations are written (boundaries.py)."""
     world = World(timeout_s=collective_timeout)
     model = model or default_model()
     recipe = _recipe(recipe, Recipe(scheme=scheme, group_size=group_size, symmetric=symmetric, actorder=actorder,
@@ -61,7 +61,8 @@ def oneshot(model: str | None = None, dataset: str = "builtin", scheme: str = "W
                      moe_calibrate="all" if moe_calibrate_all_experts else "routed"))
     output_dir = output_dir or f"{os.path.basename(job.model.rstrip('/'))}-{recipe.scheme}"
     state_dir = state_dir or f"{output_dir.rstrip('/')}.state"
-    job, state, records, source, record, by_layer = _open(job, state_dir, output_dir, coordinator, allow_long_seq)
+    job, state, records, source, record, by_layer = _open(job, state_dir, output_dir, coordinator,
+                                                          allow_long_seq, collective_timeout)
     world.agree("the job (model, dataset, recipe and sampling arguments)", record["fingerprint"])
     world.agree("the coordinator", job.coordinator)
     runner = Runner(job, state, records, source, world, by_layer, parse_every(boundary_every), mtbf_s)
@@ -114,14 +115,18 @@ def _recipe(recipe, options: Recipe) -> Recipe:
     return load_recipe(recipe)
 
 
-def _open(job: Job, state_dir: str, output_dir: str, coordinator: str | None, allow_long_seq: bool):
+def _open(job: Job, state_dir: str, output_dir: str, coordinator: str | None, allow_long_seq: bool,
+          collective_timeout: float):
     """Everything checkable before any work: where state and output go, the model's weights, the sequence
-    length, the output, the recipe against the model; then the state, its records, the job's record and the
-    quantized modules per layer."""
-    check_separate(model=job.model, state=state_dir, output=output_dir)
-    check_writable(state_dir, "--state")
+    length, the output, the recipe against the model; then the state (an object store's retries within half the
+    collective timeout, so that peers wait them out), its records, the job's record and the quantized modules
+    per layer."""
+    local_state = None if is_url(state_dir) else state_dir  # an object store is checked by its first write
+    check_separate(model=job.model, state=local_state, output=output_dir)
+    if local_state:
+        check_writable(state_dir, "--state")
     check_writable(output_dir, "--output", beside=True)
-    state = StateStore(state_dir)
+    state = StateStore(state_dir, retry_s=collective_timeout / 2)
     records = open_records(state, coordinator)
     job = dataclasses.replace(job, coordinator=records.url)  # given, or job.json's
     source = SourceModel(job.model, job.trust_remote_code, job.attention)
@@ -136,7 +141,7 @@ def _open(job: Job, state_dir: str, output_dir: str, coordinator: str | None, al
 
 def _record_faults(state: StateStore, world: World, runner: Runner):
     """Faults this process sees go to events.jsonl, history for `status`: a SIGTERM (a spot notice) and a
-    silent peer on any rank; returns the recorder for the others. Never raises: it runs on the way out."""
+    silent rank seen by any rank; returns the recorder for the others. Never raises: it runs on the way out."""
     def fault(kind: str, **fields):
         try:
             state.append_event({"event": kind, "time": time.time(), "epoch": runner.epoch, "rank": world.rank,
@@ -194,8 +199,8 @@ def plan(model: str, world_size: int, recipe: Recipe | None = None, layers: int 
              f"{world_size}; modeled seconds per rank (one CPU thread each)"]
     for index in range(source.num_layers if layers is None else min(layers, source.num_layers)):
         prefix = f"{source.layer_prefix}{index}."
-        mine = [n[len(prefix):] for n in names if n.startswith(prefix)]
-        p = make_plan(layer_groups(source.layers[index], mine), world_size)
+        local = [n[len(prefix):] for n in names if n.startswith(prefix)]
+        p = make_plan(layer_groups(source.layers[index], local), world_size)
         lines.append(f"layer {index}:")
         lines.extend(describe(p))
     return lines

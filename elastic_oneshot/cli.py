@@ -43,7 +43,7 @@ def _run_arguments(run):
                      help="eager reproduces llmcompressor's numerics; sdpa is faster, equal to the last bits")
     run.add_argument("--moe-calibrate", default="all", choices=["all", "routed"],
                      help="MoE: every expert calibrates on every token (all), or only on its routed tokens")
-    run.add_argument("--state", help="state directory (default: OUTPUT.state)")
+    run.add_argument("--state", help="state directory, or an s3:// gs:// az:// URL (default: OUTPUT.state)")
     run.add_argument("--output", help="output directory (default: MODEL-SCHEME)")
     run.add_argument("--restart", action="store_true", help="discard a state directory of another job")
     run.add_argument("--trust-remote-code", action="store_true")

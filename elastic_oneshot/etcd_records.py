@@ -280,7 +280,7 @@ class EtcdRecords(Records):
         """A job starts (or restarts) in `state_root`: drop the prefix's epochs, commits, cursor and progress, and
         record the job. The epoch counter is kept, so epochs keep growing (a stale worker of the previous run
         can never match a new epoch). Idempotent."""
-        job = _json({"fingerprint": record["fingerprint"], "state": os.path.abspath(state_root)})
+        job = _json({"fingerprint": record["fingerprint"], "state": state_root})
         self._txn([], [Delete(**self._range("epochs/")), Delete(**self._range("commits/")),
                        Delete(self._k("cursor")), Delete(self._k("progress")), Put(self._k("job"), job)])
         self._view = None
@@ -298,7 +298,7 @@ class EtcdRecords(Records):
         held = json.loads(value)
         if held.get("fingerprint") == record["fingerprint"]:
             return None
-        if held.get("state") == os.path.abspath(state_root):
+        if held.get("state") == state_root:
             return self.claim(record, state_root)
         raise UsageError(f"etcd prefix {self.url} holds the records of another job (state directory "
                          f"{held.get('state')}): use another prefix, or --restart to discard them")

@@ -7,7 +7,6 @@ a state directory. The weights, boundaries and events a commit names are files i
 """
 
 import abc
-import os
 import time
 from collections.abc import Iterator
 
@@ -72,15 +71,15 @@ class Records(abc.ABC):
 
 class FileRecords(Records):
     """Epoch fences and commits as files in the state directory (state.py's docstring has the layout):
-    epochs/EEEEE.json, created once (link(2)), and commits/LLLLL.eEEEEE.json, created once while E is newest."""
+    epochs/EEEEE.json, created once (link(2), or a conditional put on an object store), and
+    commits/LLLLL.eEEEEE.json, created once while E is newest. A list that misses the newest fence or a commit
+    (an eventually consistent store) costs a refused fence or a layer redone, never a wrong commit."""
 
     def __init__(self, files: StateStore):
         self.files = files
 
     def epochs(self) -> list[int]:
-        d = self.files.path("epochs")
-        return sorted(int(n[:-5]) for n in os.listdir(d) if n.endswith(".json") and n[:-5].isdigit()) \
-            if os.path.isdir(d) else []
+        return sorted(int(n[:-5]) for n in self.files.names("epochs") if n.endswith(".json") and n[:-5].isdigit())
 
     def current_epoch(self) -> int:
         return (self.epochs() or [0])[-1]
@@ -101,8 +100,7 @@ class FileRecords(Records):
                 break
             except (CorruptStateError, KeyError, TypeError):
                 continue
-        d = self.files.path("commits")
-        for name in os.listdir(d) if os.path.isdir(d) else []:
+        for name in self.files.names("commits"):
             layer, _, rest = name.partition(".e")
             if rest == f"{epoch:05d}.json" and layer.isdigit():
                 view[int(layer)] = epoch

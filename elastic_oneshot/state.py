@@ -10,8 +10,11 @@ Layout (docs/state-format.md is the specification):
     layers/LLLLL/fence.eEEEEE.json    which older solved records epoch E reuses for layer L
     boundaries/LLLLL/eEEEEE/chunk-CCCCC.safetensors  inputs of layer L for sample chunk C (boundaries.py)
     events.jsonl                      history for people and `status` (never trusted for progress)
+    events/TTTTT.R.json               the same history on an object store, one event per object
 
-Every file is written to a temporary name, fsynced, renamed, and its directory fsynced. Files are
+The state lives in a storage (storage.py): a local directory, or an object store when --state is a URL, where
+each file is an object written whole, and exclusive writes are conditional puts (If-None-Match: *).
+On a local directory, every file is written to a temporary name, fsynced, renamed, and its directory fsynced. Files are
 listed with size and xxh3-128 digest in the record that refers to them (a fast non-cryptographic hash:
 it guards against torn and damaged files, not against an adversary, at memory speed), computed while
 writing and verified when read back: a torn or altered file is reported, never used. JSON records also
@@ -28,65 +31,18 @@ etcd (etcd_records.EtcdRecords), and then epochs/ and commits/ stay empty. State
 whoever needs the records opens them (records.open_records) and passes what they say.
 """
 
-import contextlib
-import errno
 import hashlib
 import json
-import os
-import re
-import shutil
 
 import torch
 import xxhash
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from .errors import CorruptStateError, StorageError, UsageError
+from .errors import CorruptStateError, UsageError
+from .storage import DEBRIS, RETRY_S, open_storage
 
 FORMAT = 2  # 2: boundaries behind the commits, xxh3-128 file digests
-DEBRIS = re.compile(r".+\.tmp(\d+)")  # the temporary name of a write (write_bytes) that was interrupted
-
-
-def _fsync_dir(path: str):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_durably(path: str, data: bytes):
-    """`data` at `path`, fsynced; a parent directory created here is fsynced into its own parent."""
-    parent = os.path.dirname(path)
-    if not os.path.isdir(parent):
-        os.makedirs(parent, exist_ok=True)
-        _fsync_dir(os.path.dirname(parent))
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _link(tmp: str, path: str) -> bool:
-    """Give `tmp`'s file the name `path` unless that exists (link(2) is atomic); `tmp` goes either way."""
-    try:
-        os.link(tmp, path)
-        return True
-    except FileExistsError:
-        return False
-    finally:
-        os.remove(tmp)
-
-
-def _alive(pid: int) -> bool:
-    """Whether process `pid` runs on this host (on another host sharing the directory, it may be any)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return pid != 0
 
 
 def digest(data: bytes) -> str:
@@ -99,60 +55,35 @@ def _canonical(obj) -> bytes:
 
 
 def read_events(root: str) -> list[dict]:
-    """events.jsonl of the state directory `root`, skipping a line torn by a kill."""
-    try:
-        with open(os.path.join(root, "events.jsonl")) as f:
-            lines = f.read().splitlines()
-    except FileNotFoundError:
-        return []
-    out = []
-    for line in lines:
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            pass
-    return out
+    """The history of the state at `root` (a directory or a URL), skipping an event torn by a kill."""
+    return open_storage(root).events()
 
 
 class StateStore:
-    def __init__(self, root: str):
-        self.root = os.path.abspath(root)
-        if os.path.exists(self.root) and not os.path.isdir(self.root):
-            raise UsageError(f"state directory {self.root} is a file: give --state a new directory or one "
-                             "holding a state")
+    def __init__(self, root: str, retry_s: float = RETRY_S):
+        """The state at `root`, a directory or a URL; an object store's requests are retried for `retry_s` s."""
+        self.storage = open_storage(root, retry_s)
+        self.root = self.storage.root
 
     def path(self, rel: str) -> str:
-        return os.path.join(self.root, rel)
+        return self.storage.where(rel)
+
+    def names(self, folder: str) -> list[str]:
+        """Names in `folder` of the state (files and folders); [] if none."""
+        return self.storage.names(folder)
 
     # -- files --------------------------------------------------------------------------------
     def write_bytes(self, rel: str, data: bytes, exclusive: bool = False) -> dict:
         """Durably write `data` at `rel`; return its record {path, size, xxh3_128}. With `exclusive`, fail
-        with FileExistsError if `rel` exists (atomically: the file appears by link(2), not rename). A disk
-        that refuses (full, read-only) raises StorageError, and the temporary file is removed."""
-        path = self.path(rel)
-        tmp = f"{path}.tmp{os.getpid()}"
-        try:
-            _write_durably(tmp, data)
-            placed = _link(tmp, path) if exclusive else True
-            if not exclusive:
-                os.replace(tmp, path)
-            if placed:
-                _fsync_dir(os.path.dirname(path))
-        except OSError as e:
-            with contextlib.suppress(OSError):
-                os.remove(tmp)
-            raise StorageError(path, e) from None
-        if not placed:
-            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), path)
+        with FileExistsError if `rel` exists (atomically: link(2), or a conditional put). A storage that
+        refuses (full, read-only, unreachable) raises StorageError, and nothing is left at `rel`."""
+        self.storage.put(rel, data, exclusive)
         return {"path": rel, "size": len(data), "xxh3_128": digest(data)}
 
     def read_bytes(self, record: dict) -> bytes:
-        path = self.path(record["path"])
-        try:
-            with open(path, "rb") as f:
-                data = f.read()
-        except FileNotFoundError:
-            raise CorruptStateError(f"{record['path']} is missing") from None
+        data = self.storage.get(record["path"], record["size"])
+        if data is None:
+            raise CorruptStateError(f"{record['path']} is missing")
         if len(data) != record["size"]:
             raise CorruptStateError(f"{record['path']} has {len(data)} bytes, expected {record['size']}")
         if digest(data) != record["xxh3_128"]:
@@ -172,10 +103,8 @@ class StateStore:
 
     def read_json(self, rel: str) -> dict | None:
         """The record's body; None if absent; CorruptStateError if unreadable or altered."""
-        try:
-            with open(self.path(rel), "rb") as f:
-                raw = f.read()
-        except FileNotFoundError:
+        raw = self.storage.get(rel)
+        if raw is None:
             return None
         try:
             doc = json.loads(raw)
@@ -229,7 +158,7 @@ class StateStore:
 
     def _foreign(self) -> list[str]:
         """Entries of a directory without job.json that a first claim, interrupted, did not leave."""
-        names = os.listdir(self.root) if os.path.isdir(self.root) else []
+        names = self.names("")
         return [n for n in names if n != "tokens.safetensors" and not DEBRIS.fullmatch(n)]
 
     def tokens(self) -> torch.Tensor:
@@ -253,35 +182,23 @@ class StateStore:
 
     def clear(self):
         for name in ("commits", "layers", "boundaries", "epochs", "job.json", "tokens.safetensors",
-                     "events.jsonl"):
-            p = self.path(name)
-            if os.path.isdir(p):
-                shutil.rmtree(p)
-            elif os.path.exists(p):
-                os.remove(p)
-        os.makedirs(self.root, exist_ok=True)
+                     "events.jsonl", "events"):
+            self.storage.remove(name)
+        self.storage.make_root()
         self.remove_debris()
 
     def remove_debris(self):
-        """Delete the temporary files of interrupted writes (`NAME.tmpPID`, see write_bytes). Rank 0 calls
-        this at start, before work. A file of a process alive here is left to it: a worker frozen mid-write and
-        woken after this start is then told that it was fenced off, not that its file vanished."""
-        for folder, _, names in os.walk(self.root):
-            for name in names:
-                found = DEBRIS.fullmatch(name)
-                if found and not _alive(int(found.group(1))):
-                    os.remove(os.path.join(folder, name))
+        """Delete what interrupted writes left (storage.LocalStorage.remove_debris). Rank 0 calls this at start,
+        before work."""
+        self.storage.remove_debris()
 
     def append_event(self, event: dict):
-        """One line of events.jsonl: a human and tool readable history, not part of any commit."""
-        try:
-            with open(self.path("events.jsonl"), "a") as f:
-                f.write(json.dumps(event, sort_keys=True) + "\n")
-        except OSError as e:
-            raise StorageError(self.path("events.jsonl"), e) from None
+        """One event of the history (events.jsonl, or its own object): for people and tools, not part of any
+        commit."""
+        self.storage.append_event(event)
 
     def events(self) -> list[dict]:
-        return read_events(self.root)
+        return self.storage.events()
 
     # -- layers -------------------------------------------------------------------------------------
     def verify(self, manifest: dict | None, layer: int, epoch: int) -> dict:
@@ -309,8 +226,7 @@ class StateStore:
             listed = self.read_json(fence)
         except CorruptStateError:
             listed = None
-        names = sorted(n for n in os.listdir(self.path(folder)) if n.endswith(".json") and n.startswith("e")) \
-            if os.path.isdir(self.path(folder)) else []
+        names = sorted(n for n in self.names(folder) if n.endswith(".json") and n.startswith("e"))
         out, older = [], []
         for name in names:
             own = name.startswith(f"e{epoch:05d}.")
@@ -330,10 +246,9 @@ class StateStore:
     def prune_boundaries(self, below: int, epoch: int, current_epoch: int):
         """Delete boundaries of layers below `below`, unless `epoch` is stale (`current_epoch`, the records'
         newest, has moved on). Committed records may still name them: a reader that misses one recomputes it."""
-        root = self.path("boundaries")
-        if not os.path.isdir(root) or current_epoch != epoch:
+        if current_epoch != epoch:
             return
-        for name in os.listdir(root):
+        for name in self.names("boundaries"):
             if name.isdigit() and int(name) < below:
-                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+                self.storage.remove(f"boundaries/{name}", best_effort=True)
 

@@ -33,6 +33,7 @@ import psutil
 from elastic_oneshot.errors import CorruptStateError
 from elastic_oneshot.records import open_records
 from elastic_oneshot.state import StateStore, read_events
+from elastic_oneshot.storage import is_url
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 KINDS = ("kill_worker", "kill_node", "stop_node", "term_node", "add_node", "corrupt_file", "restart_etcd")
@@ -94,9 +95,9 @@ class Cluster:
 
     def __init__(self, workdir: str, model: str, job_args: list[str], max_nodes: int,
                  backend: str = "c10d", endpoint: str | None = None, collective_timeout: float = 10.0,
-                 coordinator: str | None = None, etcd_pause: float = 2.0):
+                 coordinator: str | None = None, etcd_pause: float = 2.0, state_url: str | None = None):
         self.workdir, self.max_nodes, self.backend = workdir, max_nodes, backend
-        self.state, self.output = os.path.join(workdir, "state"), os.path.join(workdir, "out")
+        self.state, self.output = state_url or os.path.join(workdir, "state"), os.path.join(workdir, "out")
         os.makedirs(workdir, exist_ok=True)
         self.store = self.etcd = None
         self.etcd_pause = etcd_pause
@@ -224,6 +225,8 @@ def inject(cluster: Cluster, kind: str, rng: random.Random, stop_s: float) -> st
 
 def corrupt(state: str, rng: random.Random) -> str:
     """Flip bytes in, or truncate, a committed layer file, a manifest or a boundary chunk."""
+    if is_url(state):
+        return corrupt_object(state, rng)
     candidates = []
     for sub in ("layers", "commits", "boundaries"):
         for dirpath, _, files in os.walk(os.path.join(state, sub)):
@@ -242,6 +245,24 @@ def corrupt(state: str, rng: random.Random) -> str:
     except OSError:
         return "vanished"
     return os.path.relpath(path, state)
+
+
+def corrupt_object(url: str, rng: random.Random) -> str:
+    """corrupt() on an object store: the object is written again, damaged."""
+    import obstore
+
+    storage = StateStore(url).storage
+    candidates = sorted(o["path"] for sub in ("layers", "commits", "boundaries")
+                        for batch in obstore.list(storage.store, sub) for o in batch)
+    if not candidates:
+        return "nothing"
+    rel = rng.choice(candidates)
+    data = storage.get(rel)
+    if data is None:
+        return "vanished"
+    at = rng.randrange(max(1, len(data) - 8))
+    storage.put(rel, data[:len(data) // 2] if rng.random() < 0.5 else data[:at] + b"\xff\x00\xff\x00" + data[at + 4:])
+    return rel
 
 
 def feasible(cluster: Cluster, kinds) -> list[str]:
@@ -385,18 +406,22 @@ def main(argv=None) -> int:
                    help="keep the job state in etcd: a URL, or none for the etcd of --backend etcd3")
     p.add_argument("--etcd-pause", type=float, default=2.0, help="seconds etcd stays down in restart_etcd")
     p.add_argument("--collective-timeout", type=float, default=10.0)
+    p.add_argument("--state-url", help="keep the state on object storage (s3://BUCKET/PREFIX; emptied first), "
+                                       "credentials and endpoint from the environment (AWS_ENDPOINT_URL...)")
     p.add_argument("--report", action="store_true", help="print the median time from fault to recovery")
     p.add_argument("job", nargs="*", help="arguments for `elastic-oneshot run` (after --)")
     a = p.parse_args(argv)
     rng = random.Random(a.seed)
     kinds = a.kinds.split(",")
     shutil.rmtree(os.path.join(a.workdir, "state"), ignore_errors=True)
+    if a.state_url:
+        StateStore(a.state_url).clear()
     shutil.rmtree(os.path.join(a.workdir, "out"), ignore_errors=True)
     os.makedirs(a.workdir, exist_ok=True)
     reference = reference_run(a.model, a.job, a.nodes, a.workdir)
 
     cluster = Cluster(a.workdir, a.model, a.job, a.max_nodes, a.backend, a.endpoint, a.collective_timeout,
-                      a.coordinator, a.etcd_pause)
+                      a.coordinator, a.etcd_pause, a.state_url)
     faults, corrupted = [], set()
     try:
         for _ in range(a.nodes):

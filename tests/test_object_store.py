@@ -1,0 +1,314 @@
+"""The state on object storage (`--state s3://bucket/prefix`), against a real S3-compatible server on 127.0.0.1
+(moto in server mode, a subprocess stopped by its PID), spoken to over HTTP by the product's own client."""
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+from conftest import run_cli, tree_digest
+
+from elastic_oneshot import oneshot
+from elastic_oneshot.errors import StaleEpochError
+from elastic_oneshot.records import FileRecords
+from elastic_oneshot.state import StateStore
+from elastic_oneshot.storage import ObjectStorage, is_transient, is_url
+from elastic_oneshot.testing.tiny import make_model
+
+pytest.importorskip("moto.server")
+
+JOB = dict(num_calibration_samples=16, max_seq_length=64, group_size=64, chunk_size=4)
+CLI_JOB = ["--num-samples", 16, "--seq-len", 64, "--chunk-size", 4, "--group-size", 64]
+BUCKET = "elastic-oneshot"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    """A moto S3 server, its bucket, and the environment that points the product at it (what a user sets)."""
+    port, cwd = _free_port(), tmp_path_factory.mktemp("moto")
+    log = open(cwd / "moto.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            cwd=cwd, stdout=log, stderr=log)
+    endpoint = f"http://127.0.0.1:{port}"
+    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1",
+           "AWS_ENDPOINT_URL": endpoint, "AWS_ALLOW_HTTP": "true"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        for _ in range(100):
+            try:
+                urllib.request.urlopen(urllib.request.Request(f"{endpoint}/{BUCKET}", method="PUT"), timeout=1)
+                break
+            except OSError:
+                time.sleep(0.1)
+        yield endpoint
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def llama4(tmp_path_factory):
+    return make_model(str(tmp_path_factory.mktemp("models") / "llama4"), "llama", num_hidden_layers=4)
+
+
+@pytest.fixture(scope="module")
+def reference(llama4, tmp_path_factory):
+    """A run with a local state directory: the bytes every object-store run must reproduce."""
+    out = str(tmp_path_factory.mktemp("ref") / "out")
+    oneshot(model=llama4, output_dir=out, **JOB)
+    return tree_digest(out)
+
+
+def test_urls_name_object_stores():
+    assert is_url("s3://b/p") and is_url("gs://b") and is_url("file:///x") and not is_url("/tmp/s3:/x")
+
+
+def test_the_checkpoint_is_the_same_with_the_state_on_the_server(s3, llama4, reference, tmp_path):
+    url = f"s3://{BUCKET}/same"
+    out = str(tmp_path / "out")
+    oneshot(model=llama4, output_dir=out, state_dir=url, boundary_every=2, **JOB)
+    assert tree_digest(out) == reference
+    state = StateStore(url)
+    assert sorted(state.names("commits")) == [f"0000{i}.e00001.json" for i in range(4)]
+    assert state.names("") and "events.jsonl" not in state.names("")  # events are objects of their own there
+    assert [e["event"] for e in state.events()][:2] == ["start", "layer"]
+    report = json.loads(run_cli("status", "--state", url, "--json").stdout)
+    assert report["layers_done"] == 4 and report["complete"]
+    resumed = tmp_path / "again"
+    run_cli("export", "--state", url, "--output", resumed)
+    assert tree_digest(resumed) == reference
+
+
+def committed(url: str) -> int:
+    return len(StateStore(url).names("commits"))
+
+
+def test_kill_9_at_random_moments_with_the_state_on_the_server(s3, llama4, reference, tmp_path):
+    rng, url, out = random.Random(13), f"s3://{BUCKET}/killed", tmp_path / "out"
+    cmd = [sys.executable, "-m", "elastic_oneshot", "run", "--model", llama4, "--output", out, "--state", url,
+           *CLI_JOB, "--boundary-every", 2]
+    kills, progress = 0, []
+    while kills < 3:
+        with open(tmp_path / f"run{kills}.log", "w") as log:
+            proc = subprocess.Popen(list(map(str, cmd)), stderr=log, stdout=log)
+        while committed(url) <= (progress[-1] if progress else 0) and proc.poll() is None:
+            time.sleep(0.05)
+        time.sleep(rng.uniform(0, 0.3))
+        if proc.poll() is not None:
+            break
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        kills += 1
+        progress.append(committed(url))
+    assert kills >= 2, f"the job finished before it could be killed enough ({kills} kills)"
+    final = run_cli("run", "--model", llama4, "--output", out, "--state", url, *CLI_JOB, "--boundary-every", 2)
+    assert "resuming" in final.stderr
+    assert tree_digest(out) == reference
+
+
+def test_a_stale_worker_is_refused_by_the_servers_precondition(s3):
+    state = StateStore(f"s3://{BUCKET}/stale")
+    r = FileRecords(state)
+    e1 = r.begin_epoch({})
+    r.commit(0, e1, {"layer": 0})
+    with pytest.raises(StaleEpochError, match=f"layer 0 was already committed in epoch {e1}"):
+        r.commit(0, e1, {"layer": 0, "again": True})  # the server's If-None-Match refuses the second
+    stale = FileRecords(state)
+    stale.epochs = lambda: [e1 - 1] if e1 > 1 else []  # a worker that has not seen epoch e1 (a stale list)
+    with pytest.raises(StaleEpochError, match=f"epoch {e1} was begun by another process"):
+        stale.begin_epoch({})
+    e2 = r.begin_epoch(r.committed())
+    with pytest.raises(StaleEpochError, match=f"epoch {e1} is stale"):
+        FileRecords(state).commit(1, e1, {"layer": 1})
+    state.write_json(FileRecords.commit_path(1, e1), {"layer": 1}, exclusive=True)  # slipped in after e2's fence
+    assert r.committed() == {0: e1} and r.current_epoch() == e2
+
+
+def test_transient_errors_are_retried_and_others_are_not(s3, monkeypatch, caplog):
+    import obstore
+
+    store = ObjectStorage(f"s3://{BUCKET}/retry")
+    real, calls = obstore.put, []
+
+    def flaky(*args, **kwargs):
+        calls.append(1)
+        if len(calls) < 3:
+            raise obstore.exceptions.GenericError("Generic S3 error: Server returned non-2xx status code: "
+                                                  "503 Service Unavailable: SlowDown")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(obstore, "put", flaky)
+    store.put("x.json", b"{}", exclusive=True)
+    assert len(calls) == 3 and store.get("x.json") == b"{}"
+    assert "retrying" in caplog.text
+    assert not is_transient(obstore.exceptions.GenericError("Generic S3 error: 403 Forbidden"))
+    with pytest.raises(FileExistsError):
+        store.put("x.json", b"{}", exclusive=True)
+
+
+def test_a_missing_bucket_is_a_storage_error(s3):
+    from elastic_oneshot.errors import StorageError
+
+    with pytest.raises(StorageError, match="cannot write s3://no-such-bucket/p/job.json"):
+        StateStore("s3://no-such-bucket/p").write_bytes("job.json", b"{}")
+
+
+class FaultyProxy:
+    """An HTTP proxy between the product and the server, one request per connection: it answers 503 SlowDown
+    to every `every`-th request, drops every `every`-th + 1 (closes the connection before forwarding it), and
+    delays every `every`-th + 2. A faulty request never reaches the server, so its retry is always safe."""
+
+    def __init__(self, upstream: str, every: int = 5):
+        import threading
+
+        self.upstream, self.every, self.count, self.faults = upstream, every, 0, 0
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.lock = threading.Lock()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        import threading
+
+        while True:
+            try:
+                client, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._one, args=(client,), daemon=True).start()
+
+    def _one(self, client: socket.socket):
+        with client:
+            request = _read_request(client)
+            with self.lock:
+                self.count += 1
+                n = self.count % self.every
+                self.faults += n in (0, 1)
+            if request is None or n == 1:
+                return
+            if n == 0:
+                client.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+                return
+            if n == 2:
+                time.sleep(0.3)
+            host, port = self.upstream.removeprefix("http://").split(":")
+            with socket.create_connection((host, int(port))) as server:
+                server.sendall(request)
+                while data := server.recv(1 << 16):
+                    client.sendall(data)
+
+
+def _read_request(sock: socket.socket) -> bytes | None:
+    """One HTTP request with its body (Content-Length), rewritten to close the connection after the response."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(1 << 16)
+        if not chunk:
+            return None
+        data += chunk
+    head, body = data.split(b"\r\n\r\n", 1)
+    lines = [line for line in head.split(b"\r\n") if not line.lower().startswith(b"connection:")]
+    length = next((int(line.split(b":", 1)[1]) for line in lines if line.lower().startswith(b"content-length:")), 0)
+    while len(body) < length:
+        body += sock.recv(1 << 16)
+    return b"\r\n".join([*lines, b"Connection: close"]) + b"\r\n\r\n" + body
+
+
+def test_the_job_finishes_through_503s_drops_and_delays(s3, llama4, reference, tmp_path, monkeypatch, caplog):
+    proxy = FaultyProxy(s3)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    out = str(tmp_path / "out")
+    oneshot(model=llama4, output_dir=out, state_dir=f"s3://{BUCKET}/faulty", boundary_every=2, **JOB)
+    assert tree_digest(out) == reference
+    assert proxy.faults > 10 and caplog.text.count("object store: retrying") >= proxy.faults
+
+
+def test_large_objects_go_in_parallel_parts(s3):
+    store = ObjectStorage(f"s3://{BUCKET}/large")
+    data = random.Random(0).randbytes(20 << 20)
+    start = time.perf_counter()
+    store.put("big.safetensors", data)
+    up = time.perf_counter() - start
+    start = time.perf_counter()
+    assert store.get("big.safetensors", len(data)) == data
+    down = time.perf_counter() - start
+    print(f"\n20 MiB to the local server: up {20 / up:.0f} MiB/s, down {20 / down:.0f} MiB/s")
+    assert store.get("big.safetensors", len(data) + 1) == data  # a wrong size is read whole, and judged by its reader
+    assert store.get("absent.safetensors", len(data)) is None
+
+
+def test_two_nodes_one_killed_the_survivor_finishes(s3, llama4, tmp_path):
+    """Two torchrun agents (simulated nodes) with the state on the server and no shared directory; the node
+    without rank 0 is killed; the survivor finishes at world size 1, byte for byte the W=1 run."""
+    from conftest import one_thread_env
+
+    from launch.chaos import Cluster
+
+    reference = tmp_path / "reference"
+    run_cli("run", "--model", llama4, "--output", reference, *CLI_JOB, env=one_thread_env())
+    cluster = Cluster(str(tmp_path / "cluster"), llama4, [*CLI_JOB, "--boundary-every", 2], max_nodes=2,
+                      collective_timeout=10, state_url=f"s3://{BUCKET}/nodes")
+    try:
+        nodes = [cluster.add_node(), cluster.add_node()]
+        cluster.wait_commits(1)
+        victim = next(n for n in nodes if 0 not in n.workers())
+        victim.signal_all(signal.SIGKILL)
+        assert cluster.wait_done(timeout=300), "the job did not finish"
+    finally:
+        cluster.close()
+    worlds = [e["world_size"] for e in cluster.events() if e["event"] == "start"]
+    print(f"\nworld sizes {worlds}")
+    assert worlds[0] == 2 and worlds[-1] == 1
+    assert tree_digest(cluster.output) == tree_digest(reference)
+
+
+def test_an_unreachable_store_fails_after_the_retry_budget(s3, monkeypatch, caplog):
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{_free_port()}")  # nothing listens there
+    store = ObjectStorage(f"s3://{BUCKET}/gone", retry_s=1)
+    start = time.monotonic()
+    with pytest.raises(OSError, match="error sending request") as failed:
+        store.get("job.json")
+    assert 1 <= time.monotonic() - start < 5 and failed.value.filename == f"s3://{BUCKET}/gone/job.json"
+    assert "object store: retrying get job.json" in caplog.text
+
+
+def test_kubernetes_manifest_without_a_shared_volume():
+    import yaml
+
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch",
+                           "k8s-object-store.yaml")) as f:
+        docs = {d["kind"]: d for d in yaml.safe_load_all(f)}
+    assert list(docs) == ["Deployment", "Service", "PyTorchJob"]
+    pod = docs["PyTorchJob"]["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+    (container,) = pod["containers"]
+    args = container["args"]
+    assert is_url(args[args.index("--state") + 1]) and not any("persistentVolumeClaim" in v for v in pod["volumes"])
+    assert not any("AWS_SECRET" in str(e) for e in container["env"])  # credentials only through the Secret
+
+
+def test_chaos_campaign_with_the_state_on_the_server(s3, tmp_path):
+    model = make_model(str(tmp_path / "llama12"), "llama", num_hidden_layers=12)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, os.path.join(root, "launch", "chaos.py"), "--model", model,
+                           "--workdir", str(tmp_path / "chaos"), "--faults", "4", "--seed", "5",
+                           "--kinds", "kill_node,kill_worker,corrupt_file,add_node", "--collective-timeout", "10",
+                           "--state-url", f"s3://{BUCKET}/chaos", "--", *map(str, CLI_JOB), "--boundary-every", "3"],
+                          capture_output=True, text=True, timeout=900)
+    print("\n" + proc.stdout[-2500:])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "4 faults, invariants hold" in proc.stdout
