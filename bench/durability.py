@@ -9,12 +9,12 @@ fsynced inside its commit, then read back: git revision --baseline) with the cur
 process through `elastic-oneshot run`, its state's writes throttled by a wrapper of the storage layer
 (StateStore.write_bytes sleeps as a link of --bandwidth MB/s would take; default: the bandwidth at which writing
 every boundary synchronously costs about 70 % of the compute). Prints wall times, the share of the layer loop not
-spent computing, bytes written per layer, the seconds from a restart after kill -9 to its first new commit, and the
-issue's table modeled from the per-byte costs measured here.
+spent computing, bytes written per layer, the seconds from a restart after kill -9 to its first new commit, the
+same job with its state on a local S3-compatible server (moto) with the MB/s moved there, and the issue's table
+modeled from the per-byte costs measured here.
 """
 
 import argparse
-import json
 import os
 import random
 import shutil
@@ -70,8 +70,9 @@ def run(code: str, args: list[str], bandwidth: float, log: str, kill_after: int 
 
 
 def events(state: str) -> list[dict]:
-    with open(os.path.join(state, "events.jsonl")) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    from elastic_oneshot.state import StateStore
+
+    return StateStore(state).events()
 
 
 def commits(state: str) -> int:
@@ -109,6 +110,26 @@ def design(name: str, code: str, extra: list[str], job: list[str], bandwidth: fl
     run(code, args, bandwidth, d + ".log2")
     out["restart"] = {"killed_after": kill_at, **loop(d + ".state")}
     return out
+
+
+def object_store(job: list[str], work: str) -> dict:
+    """The current default with its state on a local S3-compatible server (moto), and the MB/s one rank moves
+    to and from it in a boundary-sized object (multipart up, parallel ranged reads down)."""
+    from elastic_oneshot.storage import ObjectStorage
+    from elastic_oneshot.testing.s3_server import S3Server
+
+    with S3Server() as s3:
+        os.environ.update(s3.env)
+        d, url = os.path.join(work, "object-store"), f"s3://{s3.bucket}/bench"
+        result = {**run(ROOT, ["--state", url, "--output", d, *job], 0.0, d + ".log"), **loop(url)}
+        store, data = ObjectStorage(f"s3://{s3.bucket}/probe"), os.urandom(256 * 2**20)
+        t = time.perf_counter()
+        store.put("boundary", data)
+        up = len(data) / (time.perf_counter() - t)
+        t = time.perf_counter()
+        store.get("boundary", len(data))
+        down = len(data) / (time.perf_counter() - t)
+    return {**result, "up": up, "down": down}
 
 
 def modeled(write_bps: float, sha_bps: float, xxh_bps: float, read_bps: float):
@@ -185,6 +206,12 @@ def main():
         results = {"previous": design("previous", old, [], job, bandwidth, work, a.seed),
                    "new": design("new", ROOT, ["--boundary-every", "auto"], job, bandwidth, work, a.seed)}
         report(results)
+        local, remote = results["new"]["free"], object_store(job, work)
+        idle = {k: 1 - r["compute"] / r["loop"] for k, r in (("remote", remote), ("local", local))}
+        print(f"\nstate on a local S3 server (moto): wall {remote['wall']:.1f} s against {local['wall']:.1f} s with a "
+              f"local directory ({remote['wall'] / local['wall']:.3f}); not computing {idle['remote']:.1%} against "
+              f"{idle['local']:.1%}; one rank moves {remote['up'] / 1e6:.0f} MB/s up, "
+              f"{remote['down'] / 1e6:.0f} MB/s down")
         modeled(*per_byte(work))
     finally:
         subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", old], capture_output=True)

@@ -9,7 +9,6 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 
 import pytest
 from conftest import run_cli, tree_digest
@@ -19,6 +18,7 @@ from elastic_oneshot.errors import StaleEpochError
 from elastic_oneshot.records import FileRecords
 from elastic_oneshot.state import StateStore
 from elastic_oneshot.storage import ObjectStorage, is_transient, is_url
+from elastic_oneshot.testing.s3_server import S3Server
 from elastic_oneshot.testing.tiny import make_model
 
 pytest.importorskip("moto.server")
@@ -28,37 +28,17 @@ CLI_JOB = ["--num-samples", 16, "--seq-len", 64, "--chunk-size", 4, "--group-siz
 BUCKET = "elastic-oneshot"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def s3(tmp_path_factory):
-    """A moto S3 server, its bucket, and the environment that points the product at it (what a user sets)."""
-    port, cwd = _free_port(), tmp_path_factory.mktemp("moto")
-    log = open(cwd / "moto.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            cwd=cwd, stdout=log, stderr=log)
-    endpoint = f"http://127.0.0.1:{port}"
-    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1",
-           "AWS_ENDPOINT_URL": endpoint, "AWS_ALLOW_HTTP": "true"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        for _ in range(100):
-            try:
-                urllib.request.urlopen(urllib.request.Request(f"{endpoint}/{BUCKET}", method="PUT"), timeout=1)
-                break
-            except OSError:
-                time.sleep(0.1)
-        yield endpoint
-    finally:
-        for k, v in saved.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
-        os.kill(proc.pid, signal.SIGTERM)
-        proc.wait(10)
+def s3():
+    """A moto S3 server with its bucket, and the environment that points the product at it (what a user sets)."""
+    with S3Server(BUCKET) as server:
+        saved = {k: os.environ.get(k) for k in server.env}
+        os.environ.update(server.env)
+        try:
+            yield server.endpoint
+        finally:
+            for k, v in saved.items():
+                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
 
 
 @pytest.fixture(scope="module")
@@ -278,7 +258,7 @@ def test_two_nodes_one_killed_the_survivor_finishes(s3, llama4, tmp_path):
 
 
 def test_an_unreachable_store_fails_after_the_retry_budget(s3, monkeypatch, caplog):
-    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{_free_port()}")  # nothing listens there
+    monkeypatch.setenv("AWS_ENDPOINT_URL", S3Server().endpoint)  # a free port, where nothing listens
     store = ObjectStorage(f"s3://{BUCKET}/gone", retry_s=1)
     start = time.monotonic()
     with pytest.raises(OSError, match="error sending request") as failed:
