@@ -2,6 +2,7 @@
 
     python bench/durability.py                      # SmolLM2-135M, 128 x 512 tokens
     python bench/durability.py --samples 32         # a quicker look
+    python bench/durability.py --object-store-only  # only the state on a local S3 server against a local one
 
 Compares, in one invocation, the previous design (every layer's boundary written, hashed with sha256 and
 fsynced inside its commit, then read back: git revision --baseline) with the current default
@@ -185,16 +186,24 @@ def main():
     p.add_argument("--bandwidth", type=float, help="MB/s of the throttled store (default: 70 %% of compute)")
     p.add_argument("--baseline", default=BASELINE, help="git revision of the previous design")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--object-store-only", action="store_true",
+                   help="only the state on a local S3 server against a local directory (no baseline)")
     a = p.parse_args()
     work = tempfile.mkdtemp(prefix="durability-")
+    if a.object_store_only:
+        try:
+            job = _job(a)
+            local = run(ROOT, ["--state", work + "/local.state", "--output", work + "/local", *job], 0.0,
+                        work + "/local.log")
+            compare_object_store({**local, **loop(work + "/local.state")}, object_store(job, work))
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        return
     old = os.path.join(work, "baseline")
     subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", old, a.baseline], check=True,
                    capture_output=True)
     try:
-        from elastic_oneshot.default_model import default_model
-
-        job = ["--model", default_model(), "--num-samples", str(a.samples), "--seq-len", str(a.seq_len),
-               "--group-size", "64"]
+        job = _job(a)
         probe = os.path.join(work, "probe")
         free = {**run(ROOT, ["--state", probe + ".state", "--output", probe, *job], 0.0, probe + ".log"),
                 **loop(probe + ".state")}
@@ -206,16 +215,26 @@ def main():
         results = {"previous": design("previous", old, [], job, bandwidth, work, a.seed),
                    "new": design("new", ROOT, ["--boundary-every", "auto"], job, bandwidth, work, a.seed)}
         report(results)
-        local, remote = results["new"]["free"], object_store(job, work)
-        idle = {k: 1 - r["compute"] / r["loop"] for k, r in (("remote", remote), ("local", local))}
-        print(f"\nstate on a local S3 server (moto): wall {remote['wall']:.1f} s against {local['wall']:.1f} s with a "
-              f"local directory ({remote['wall'] / local['wall']:.3f}); not computing {idle['remote']:.1%} against "
-              f"{idle['local']:.1%}; one rank moves {remote['up'] / 1e6:.0f} MB/s up, "
-              f"{remote['down'] / 1e6:.0f} MB/s down")
+        compare_object_store(results["new"]["free"], object_store(job, work))
         modeled(*per_byte(work))
     finally:
         subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", old], capture_output=True)
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _job(a) -> list[str]:
+    from elastic_oneshot.default_model import default_model
+
+    return ["--model", default_model(), "--num-samples", str(a.samples), "--seq-len", str(a.seq_len),
+            "--group-size", "64"]
+
+
+def compare_object_store(local: dict, remote: dict):
+    idle = {k: 1 - r["compute"] / r["loop"] for k, r in (("remote", remote), ("local", local))}
+    print(f"\nstate on a local S3 server (moto): wall {remote['wall']:.1f} s against {local['wall']:.1f} s with a "
+          f"local directory ({remote['wall'] / local['wall']:.3f}); not computing {idle['remote']:.1%} against "
+          f"{idle['local']:.1%}; one rank moves {remote['up'] / 1e6:.0f} MB/s up, "
+          f"{remote['down'] / 1e6:.0f} MB/s down")
 
 
 def report(results: dict):

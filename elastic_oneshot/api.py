@@ -12,10 +12,10 @@ from . import signals
 from .boundaries import parse_every
 from .data import calibration_samples
 from .default_model import default_model
+from .destination import check_destination, export_to
 from .dist import World
 from .errors import CorruptStateError, StaleEpochError, UsageError
 from .evaluate import perplexity
-from .export import check_output, export
 from .job import Job, job_record
 from .model import SourceModel
 from .plan import describe, layer_groups, make_plan
@@ -85,7 +85,7 @@ def oneshot(model: str | None = None, dataset: str = "builtin", scheme: str = "W
     if world.rank != 0:
         return output_dir
 
-    export(state, records, output_dir, source)
+    export_to(state, records, output_dir, source)
     log.info("wrote %s", output_dir)
     if eval_samples:
         _compare(before, output_dir, dataset, eval_samples, job.seq_len, text_column)
@@ -122,10 +122,12 @@ def _open(job: Job, state_dir: str, output_dir: str, coordinator: str | None, al
     collective timeout, so that peers wait them out), its records, the job's record and the quantized modules
     per layer."""
     local_state = None if is_url(state_dir) else state_dir  # an object store is checked by its first write
-    check_separate(model=job.model, state=local_state, output=output_dir)
+    local_output = None if is_url(output_dir) else output_dir  # a prefix: check_destination
+    check_separate(model=job.model, state=local_state, output=local_output)
     if local_state:
         check_writable(state_dir, "--state")
-    check_writable(output_dir, "--output", beside=True)
+    if local_output:
+        check_writable(output_dir, "--output", beside=True)
     state = StateStore(state_dir, retry_s=collective_timeout / 2)
     records = open_records(state, coordinator)
     job = dataclasses.replace(job, coordinator=records.url)  # given, or job.json's
@@ -133,7 +135,7 @@ def _open(job: Job, state_dir: str, output_dir: str, coordinator: str | None, al
     source.check_weights()
     check_seq_len(job.seq_len, source.config, allow_long_seq)
     record = job_record(job, source.digest(), source.num_layers)
-    check_output(output_dir.rstrip("/"), record["fingerprint"])
+    check_destination(output_dir, record["fingerprint"], state.root)
     quantized = job.recipe.quantized_modules(source.skeleton)
     check_divisible(job.recipe, source.linear_shapes(quantized))
     return job, state, records, source, record, source.by_layer(quantized)

@@ -14,10 +14,10 @@ next fence's conditional create fail (the process stops as stale), a commit or s
 redone. Read-after-write of one object must be strong, and the conditional create atomic: AWS S3 (and its strong
 list consistency since 2020), GCS, Azure Blob, MinIO and R2 give both.
 
-Credentials and endpoints come from the environment as object_store reads it (AWS_ACCESS_KEY_ID,
-AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_REGION, AWS_ENDPOINT_URL, AWS_ALLOW_HTTP for a plain-http
-S3-compatible server, web identity and instance metadata; GOOGLE_APPLICATION_CREDENTIALS; AZURE_STORAGE_*): never
-from the URL, so never into job.json or events.
+Credentials and endpoints come from where their tools keep them, never from the URL, so never into job.json or
+events: for s3:// botocore's chain, as the AWS CLI finds them (aws_options); for gs:// and az:// the environment
+as object_store reads it (GOOGLE_APPLICATION_CREDENTIALS or gcloud's application default credentials;
+AZURE_STORAGE_*).
 """
 
 import abc
@@ -27,6 +27,7 @@ import errno
 import json
 import logging
 import os
+import pathlib
 import re
 import shutil
 import time
@@ -243,8 +244,7 @@ class ObjectStorage(Storage):
 
     def __init__(self, url: str, retry_s: float = RETRY_S):
         self.root, self.retry_s = url.rstrip("/"), retry_s
-        kwargs = {"mkdir": True} if self.root.startswith("file://") else {}
-        # client options are left to the environment (given here, they would replace AWS_ALLOW_HTTP's)
+        kwargs = {"mkdir": True} if self.root.startswith("file://") else aws_options(self.root)
         self.store = from_url(self.root, retry_config={"max_retries": 0, "retry_timeout": _seconds(retry_s)},
                               **kwargs)
 
@@ -265,6 +265,13 @@ class ObjectStorage(Storage):
                        use_multipart=False if exclusive else len(data) > PART, chunk_size=PART)
         except (obstore.exceptions.AlreadyExistsError, obstore.exceptions.PreconditionError):
             raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), self.where(rel)) from None
+        except (obstore.exceptions.BaseError, OSError) as e:
+            raise StorageError(self.where(rel), OSError(errno.EIO, _first_line(e))) from None
+
+    def upload(self, rel: str, path: str):
+        """The local file `path` to `rel`, streamed (a large one in parallel parts), never held in memory whole."""
+        try:
+            self._call(f"put {rel}", obstore.put, self.store, rel, pathlib.Path(path), chunk_size=PART)
         except (obstore.exceptions.BaseError, OSError) as e:
             raise StorageError(self.where(rel), OSError(errno.EIO, _first_line(e))) from None
 
@@ -311,6 +318,35 @@ class ObjectStorage(Storage):
         """events/<time in ns>.<random>.json: a name no other writer uses, in time order."""
         self.put(f"events/{time.time_ns():020d}.{uuid.uuid4().hex[:12]}.json",
                  (json.dumps(event, sort_keys=True) + "\n").encode())
+
+
+def aws_options(url: str) -> dict:
+    """from_url's credentials, region and endpoint for an s3:// URL, found as the AWS CLI finds them (botocore):
+    the environment (AWS_ACCESS_KEY_ID..., AWS_REGION, AWS_ENDPOINT_URL[_S3]), then AWS_PROFILE's profile (or the
+    default one) in ~/.aws/credentials and ~/.aws/config (keys, SSO, credential_process, assumed roles, region,
+    endpoint_url), web identity, container and instance metadata. object_store alone reads only the environment.
+    The keys stay in this process's memory (refreshed by obstore's provider when they expire)."""
+    if not url.startswith(("s3://", "s3a://")):
+        return {}
+    import botocore.configprovider
+    import botocore.exceptions
+    import botocore.session
+    from obstore.auth.boto3 import Boto3CredentialProvider
+
+    session = botocore.session.get_session()
+    try:
+        region = os.environ.get("AWS_REGION") or session.get_config_variable("region")
+        endpoint = botocore.configprovider.ConfiguredEndpointProvider(session.full_config,
+                                                                      session.get_scoped_config(), "s3").provide()
+        provider = Boto3CredentialProvider(session)
+    except botocore.exceptions.BotoCoreError as e:
+        raise UsageError(f"{url}: {e}") from None
+    except ValueError:
+        raise UsageError(f"{url}: no AWS credentials found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or "
+                         "AWS_PROFILE naming a profile in ~/.aws/credentials or ~/.aws/config") from None
+    config = {k: v for k, v in (("region", region), ("endpoint", endpoint)) if v}
+    http = {"client_options": {"allow_http": True}} if (endpoint or "").startswith("http://") else {}
+    return {"credential_provider": provider, "config": config, **http}
 
 
 def _seconds(s: float):

@@ -10,11 +10,12 @@ import subprocess
 import sys
 import time
 
+import obstore
 import pytest
 from conftest import run_cli, tree_digest
 
 from elastic_oneshot import oneshot
-from elastic_oneshot.errors import StaleEpochError
+from elastic_oneshot.errors import StaleEpochError, StorageError, UsageError
 from elastic_oneshot.records import FileRecords
 from elastic_oneshot.state import StateStore
 from elastic_oneshot.storage import ObjectStorage, is_transient, is_url
@@ -232,21 +233,30 @@ def test_large_objects_go_in_parallel_parts(s3):
     assert store.get("absent.safetensors", len(data)) is None
 
 
-def test_two_nodes_one_killed_the_survivor_finishes(s3, llama4, tmp_path):
-    """Two torchrun agents (simulated nodes) with the state on the server and no shared directory; the node
-    without rank 0 is killed; the survivor finishes at world size 1, byte for byte the W=1 run."""
+@pytest.fixture(scope="module")
+def w1_reference(llama4, tmp_path_factory):
+    """The W=1 run on one thread per rank, as the nodes run."""
     from conftest import one_thread_env
 
+    out = tmp_path_factory.mktemp("w1") / "out"
+    run_cli("run", "--model", llama4, "--output", out, *CLI_JOB, env=one_thread_env())
+    return tree_digest(out)
+
+
+@pytest.mark.parametrize("rank0", [False, True], ids=["other-node", "rank0-node"])
+def test_two_nodes_one_killed_the_survivor_finishes(s3, llama4, w1_reference, tmp_path, rank0):
+    """Two torchrun agents (simulated nodes) with the state on the server and no shared directory; one node is
+    killed, either one: the rendezvous store runs apart from the agents (launch/store.py), so losing rank 0's
+    node loses the workers' process group but not the rendezvous. The survivor finishes at world size 1, byte for
+    byte the W=1 run, and writes the checkpoint as the new rank 0."""
     from launch.chaos import Cluster
 
-    reference = tmp_path / "reference"
-    run_cli("run", "--model", llama4, "--output", reference, *CLI_JOB, env=one_thread_env())
     cluster = Cluster(str(tmp_path / "cluster"), llama4, [*CLI_JOB, "--boundary-every", 2], max_nodes=2,
-                      collective_timeout=10, state_url=f"s3://{BUCKET}/nodes")
+                      collective_timeout=10, state_url=f"s3://{BUCKET}/nodes-{int(rank0)}")
     try:
         nodes = [cluster.add_node(), cluster.add_node()]
         cluster.wait_commits(1)
-        victim = next(n for n in nodes if 0 not in n.workers())
+        victim = next(n for n in nodes if (0 in n.workers()) == rank0)
         victim.signal_all(signal.SIGKILL)
         assert cluster.wait_done(timeout=300), "the job did not finish"
     finally:
@@ -254,7 +264,7 @@ def test_two_nodes_one_killed_the_survivor_finishes(s3, llama4, tmp_path):
     worlds = [e["world_size"] for e in cluster.events() if e["event"] == "start"]
     print(f"\nworld sizes {worlds}")
     assert worlds[0] == 2 and worlds[-1] == 1
-    assert tree_digest(cluster.output) == tree_digest(reference)
+    assert tree_digest(cluster.output) == w1_reference
 
 
 def test_an_unreachable_store_fails_after_the_retry_budget(s3, monkeypatch, caplog):
@@ -292,3 +302,104 @@ def test_chaos_campaign_with_the_state_on_the_server(s3, tmp_path):
     print("\n" + proc.stdout[-2500:])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert "4 faults, invariants hold" in proc.stdout
+
+
+def scan(url: str, secrets: list[str]) -> int:
+    """How many objects under `url` were read; AssertionError if one holds any of `secrets`."""
+    store = ObjectStorage(url)
+    paths = [o["path"] for batch in obstore.list(store.store) for o in batch]
+    for path in paths:
+        data = store.get(path)
+        assert not any(s.encode() in data for s in secrets), f"{path} holds a credential"
+    return len(paths)
+
+
+@pytest.fixture
+def aws_home(s3, tmp_path, monkeypatch):
+    """A server that checks signatures, and a HOME whose ~/.aws files alone say how to reach it: profile 'eo'
+    with its keys, region and endpoint; nothing in the environment but AWS_PROFILE (and AWS_ALLOW_HTTP)."""
+    with S3Server(BUCKET, auth=True) as server:
+        key, secret = server.env["AWS_ACCESS_KEY_ID"], server.env["AWS_SECRET_ACCESS_KEY"]
+        (tmp_path / ".aws").mkdir()
+        (tmp_path / ".aws" / "credentials").write_text(
+            f"[default]\naws_access_key_id = wrong\naws_secret_access_key = wrong\n\n"
+            f"[eo]\naws_access_key_id = {key}\naws_secret_access_key = {secret}\n")
+        (tmp_path / ".aws" / "config").write_text(f"[default]\nendpoint_url = {server.endpoint}\n\n"
+                                                  f"[profile eo]\nregion = us-east-1\n"
+                                                  f"endpoint_url = {server.endpoint}\n")
+        for name in list(os.environ):
+            if name.startswith("AWS_") and name != "AWS_ALLOW_HTTP":
+                monkeypatch.delenv(name)
+        monkeypatch.setenv("HOME", str(tmp_path))
+        monkeypatch.setenv("AWS_PROFILE", "eo")
+        yield key, secret
+
+
+def test_credentials_from_a_profile_file_never_reach_the_state(aws_home, llama4, reference, tmp_path, monkeypatch):
+    key, secret = aws_home
+    url, out = f"s3://{BUCKET}/profile", str(tmp_path / "out")
+    oneshot(model=llama4, output_dir=out, state_dir=url, **JOB)
+    assert tree_digest(out) == reference
+    assert scan(url, [key, secret]) > 10
+    monkeypatch.setenv("AWS_PROFILE", "default")  # the server checks signatures: the wrong key is refused
+    with pytest.raises(StorageError, match="403 Forbidden"):
+        ObjectStorage(url).put("x.json", b"{}")
+    monkeypatch.setenv("AWS_PROFILE", "nowhere")
+    with pytest.raises(UsageError, match="nowhere"):
+        ObjectStorage(url)
+
+
+def download(url: str, to) -> str:
+    store = ObjectStorage(url)
+    os.makedirs(to)
+    for name in store.names(""):
+        with open(os.path.join(to, name), "wb") as f:
+            f.write(store.get(name))
+    return str(to)
+
+
+def test_export_to_the_server_all_or_nothing(s3, llama4, reference, tmp_path, monkeypatch):
+    """A run whose --output is a prefix: the checkpoint there equals a local export byte for byte and loads in
+    transformers; the marker goes up last (a failed upload leaves none, and the next export finishes it); a
+    prefix holding what this job did not write is refused and left as it was."""
+    import transformers
+
+    from elastic_oneshot.destination import PENDING, export_to
+    from elastic_oneshot.export import MARKER
+    from elastic_oneshot.records import open_records
+
+    state_url, out_url = f"s3://{BUCKET}/export.state", f"s3://{BUCKET}/export"
+    oneshot(model=llama4, output_dir=out_url, state_dir=state_url, **JOB)
+    assert tree_digest(download(out_url, tmp_path / "a")) == reference
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "a")
+    assert type(model).__name__ == "LlamaForCausalLM"
+
+    state, out = StateStore(state_url), ObjectStorage(out_url)
+    real, uploaded = ObjectStorage.upload, []
+
+    def failing(self, rel, path):
+        if uploaded:
+            raise StorageError(self.where(rel), OSError(5, "connection lost"))
+        uploaded.append(rel)
+        real(self, rel, path)
+
+    monkeypatch.setattr(ObjectStorage, "upload", failing)
+    with pytest.raises(StorageError, match="connection lost"):
+        export_to(state, open_records(state), out_url)
+    assert MARKER not in out.names("") and PENDING in out.names("")  # a reader sees it incomplete
+    monkeypatch.undo()
+    run_cli("export", "--state", state_url, "--output", out_url)
+    assert MARKER in out.names("") and PENDING not in out.names("")
+    assert tree_digest(download(out_url, tmp_path / "b")) == reference
+
+    out.put("notes.txt", b"mine")
+    refused = run_cli("export", "--state", state_url, "--output", out_url, check=False)
+    assert refused.returncode == 2 and "files this tool did not write (notes.txt)" in refused.stderr
+    assert out.get("notes.txt") == b"mine" and MARKER in out.names("")
+    other = ObjectStorage(f"s3://{BUCKET}/someone-else")
+    other.put("model.safetensors", b"theirs")
+    refused = run_cli("export", "--state", state_url, "--output", other.root, check=False)
+    assert refused.returncode == 2 and "is not this job's checkpoint" in refused.stderr
+    assert other.names("") == ["model.safetensors"]
+    refused = run_cli("export", "--state", state_url, "--output", f"{state_url}/out", check=False)
+    assert "overlap" in refused.stderr

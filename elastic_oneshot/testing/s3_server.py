@@ -1,11 +1,13 @@
 """A throwaway S3-compatible server for tests and benchmarks: moto in server mode on 127.0.0.1, in a temporary
-directory, with one bucket, stopped by its PID.
+directory, with one bucket, stopped by its PID. With `auth`, it checks every request's signature as AWS does, against
+an access key it issued at start (in `env`), so that a test can tell which credentials the product used.
 
     with S3Server() as s3:
         os.environ.update(s3.env)        # what a user sets to point the product at it
         state = f"s3://{s3.bucket}/job"
 """
 
+import json
 import os
 import signal
 import socket
@@ -15,10 +17,12 @@ import tempfile
 import time
 import urllib.request
 
+UNSIGNED = 5  # requests moto serves before it checks signatures: the bucket and _issue_key's four
+
 
 class S3Server:
-    def __init__(self, bucket: str = "elastic-oneshot"):
-        self.bucket, self.proc = bucket, None
+    def __init__(self, bucket: str = "elastic-oneshot", auth: bool = False):
+        self.bucket, self.auth, self.proc = bucket, auth, None
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -29,17 +33,34 @@ class S3Server:
     def start(self) -> "S3Server":
         self.dir = tempfile.mkdtemp(prefix="moto-")
         self.log = open(os.path.join(self.dir, "moto.log"), "w")
+        env = {**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": str(UNSIGNED)} if self.auth else None
         self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-                                     cwd=self.dir, stdout=self.log, stderr=self.log)
+                                     cwd=self.dir, stdout=self.log, stderr=self.log, env=env)
         for _ in range(100):  # up, with its bucket
             try:
                 urllib.request.urlopen(urllib.request.Request(f"{self.endpoint}/{self.bucket}", method="PUT"),
                                        timeout=1)
+                if self.auth:
+                    self._issue_key()
                 return self
             except OSError:
                 time.sleep(0.1)
         self.stop()
         raise RuntimeError(f"moto did not start on port {self.port}; see {self.log.name}")
+
+    def _issue_key(self):
+        """A user allowed everything on S3, and its access key."""
+        import boto3
+
+        iam = boto3.client("iam", endpoint_url=self.endpoint, region_name="us-east-1", aws_access_key_id="x",
+                           aws_secret_access_key="x")
+        iam.create_user(UserName="job")
+        policy = json.dumps({"Version": "2012-10-17",
+                             "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]})
+        arn = iam.create_policy(PolicyName="s3", PolicyDocument=policy)["Policy"]["Arn"]
+        iam.attach_user_policy(UserName="job", PolicyArn=arn)
+        key = iam.create_access_key(UserName="job")["AccessKey"]
+        self.env.update(AWS_ACCESS_KEY_ID=key["AccessKeyId"], AWS_SECRET_ACCESS_KEY=key["SecretAccessKey"])
 
     def stop(self):
         if self.proc is not None:
