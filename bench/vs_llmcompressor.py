@@ -1,6 +1,7 @@
 """Our single-process run against llmcompressor's `oneshot`, same model, samples, length and scheme.
 
     python bench/vs_llmcompressor.py                 # SmolLM2-135M, W4A16 g64, 128 x 512 tokens
+    python bench/vs_llmcompressor.py --scheme NVFP4  # any preset, with its own group sizes
     python bench/vs_llmcompressor.py --samples 16    # a quick look
 
 Each side runs in its own process; wall time and peak RSS are that process's, from start to saved
@@ -63,13 +64,15 @@ def main():
     p.add_argument("--model", help="default: the embedded SmolLM2-135M")
     p.add_argument("--samples", type=int, default=128)
     p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--group-size", type=int, default=64)
+    p.add_argument("--scheme", default="W4A16", help="a compressed-tensors preset (FP8, NVFP4, W8A8, ...)")
+    p.add_argument("--group-size", type=int, default=64, help="W4A16 only; other presets keep their own")
     p.add_argument("--eval-samples", type=int, default=16)
     p.add_argument("--workdir", default="bench-work")
     p.add_argument("--peer-child", nargs=2, metavar=("MODEL", "OUT"), help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.peer_child:
-        return run_peer(*a.peer_child, a.samples, a.seq_len, a.group_size)
+        return run_peer(*a.peer_child, a.samples, a.seq_len, a.group_size,
+                        scheme=None if a.scheme == "W4A16" else a.scheme)
 
     from elastic_oneshot.default_model import default_model
     from elastic_oneshot.evaluate import perplexity
@@ -80,14 +83,16 @@ def main():
     ours, peer = os.path.join(a.workdir, "ours"), os.path.join(a.workdir, "peer")
     for d in (ours, peer, ours + ".state"):
         shutil.rmtree(d, ignore_errors=True)
-    job = ["--num-samples", str(a.samples), "--seq-len", str(a.seq_len), "--group-size", str(a.group_size)]
-    print(f"model {model}\n{a.samples} samples x {a.seq_len} tokens, W4A16 group {a.group_size}, "
-          f"{os.cpu_count()} cores", flush=True)
+    job = ["--num-samples", str(a.samples), "--seq-len", str(a.seq_len), "--scheme", a.scheme]
+    job += ["--group-size", str(a.group_size)] if a.scheme == "W4A16" else []
+    scheme = f"W4A16 group {a.group_size}" if a.scheme == "W4A16" else a.scheme
+    print(f"model {model}\n{a.samples} samples x {a.seq_len} tokens, {scheme}, {os.cpu_count()} cores", flush=True)
     wall_o, rss_o = measure([sys.executable, "-m", "elastic_oneshot", "run", "--model", model, "--output", ours,
                              *job], ours + ".log")
     print(f"ours: {wall_o:.1f} s", flush=True)
     wall_p, rss_p = measure([sys.executable, __file__, "--peer-child", model, peer, "--samples", str(a.samples),
-                             "--seq-len", str(a.seq_len), "--group-size", str(a.group_size)], peer + ".log")
+                             "--seq-len", str(a.seq_len), "--group-size", str(a.group_size), "--scheme", a.scheme],
+                            peer + ".log")
     print(f"peer: {wall_p:.1f} s", flush=True)
     ppl = {name: perplexity(path, "builtin", a.eval_samples, a.seq_len)
            for name, path in (("base", model), ("ours", ours), ("peer", peer))}
@@ -109,7 +114,8 @@ def main():
         print(f"  {phase:12}{s:8.1f} s {rate}")
     print(f"  committing: {seconds['commit'] / wall_o:.2%} of wall time (target <= 5%)")
     with open(os.path.join(a.workdir, "result.json"), "w") as f:
-        json.dump({"wall": [wall_o, wall_p], "rss_gb": [rss_o, rss_p], "ppl": ppl, "seconds": seconds}, f)
+        json.dump({"scheme": scheme, "wall": [wall_o, wall_p], "rss_gb": [rss_o, rss_p], "ppl": ppl,
+                   "seconds": seconds}, f)
 
 
 if __name__ == "__main__":

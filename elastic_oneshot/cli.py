@@ -9,6 +9,11 @@ import sys
 from .errors import StaleEpochError, StorageError, UsageError
 from .progress import close_all
 
+# recipe.PRESETS, spelled out so that parsing arguments imports no compressed-tensors
+SCHEMES = ("W8A8", "INT8", "W4AFP8", "FP8", "FP8_DYNAMIC", "FP8_BLOCK", "NVFP4A16", "NVFP4", "MXFP4A16", "MXFP4",
+           "MXFP8A16", "MXFP8", "W2A4", "W2A8", "W2A16", "W3A4", "W3A8", "W3A16", "W4A4", "W4A8", "W4A16", "W5A8",
+           "W5A16", "W6A8", "W6A16", "W7A8", "W7A16", "W8A16")
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="elastic-oneshot", description="Elastic, resumable GPTQ compression.")
@@ -25,14 +30,17 @@ def _run_arguments(run):
     run.add_argument("--text-column", default="text")
     run.add_argument("--recipe", help="llmcompressor recipe: a YAML file (or text) with one GPTQModifier; "
                      "replaces --scheme and the GPTQ options below")
-    run.add_argument("--scheme", default="W4A16", choices=["W4A16", "W8A16"])
+    run.add_argument("--scheme", default="W4A16", choices=SCHEMES, metavar="SCHEME",
+                     help="a compressed-tensors preset: W2A16..W8A16, W8A8 (INT8), W4A8, W4AFP8, FP8, FP8_DYNAMIC, "
+                          "FP8_BLOCK, NVFP4, NVFP4A16, MXFP4, MXFP4A16, MXFP8, MXFP8A16, W2A8..W7A8, W2A4..W4A4 "
+                          "(default W4A16)")
     run.add_argument("--num-samples", type=int, default=128)
     run.add_argument("--seq-len", type=int, default=512)
     run.add_argument("--allow-long-seq", action="store_true",
                      help="allow --seq-len past the model's context (max_position_embeddings)")
     run.add_argument("--seed", type=int, default=0)
-    run.add_argument("--group-size", type=int, help="default: the scheme's (128); -1 for per-channel")
-    run.add_argument("--asym", action="store_true", help="asymmetric quantization (with zero points)")
+    run.add_argument("--group-size", type=int, help="int weights: default the scheme's (128); -1 for per-channel")
+    run.add_argument("--asym", action="store_true", help="int weights: asymmetric quantization (with zero points)")
     run.add_argument("--actorder", default="static", choices=["static", "none"])
     run.add_argument("--dampening-frac", type=float, default=0.01)
     run.add_argument("--block-size", type=int, default=128)
@@ -72,12 +80,12 @@ def _other_commands(sub):
 
     export = sub.add_parser("export", help="write the checkpoint of a finished state")
     export.add_argument("--state", required=True)
-    export.add_argument("--output", required=True)
+    export.add_argument("--output", required=True, help="a directory, or an object-store prefix (s3://...)")
 
     pl = sub.add_parser("plan", help="preview the weight-parallel GPTQ plan without running")
     pl.add_argument("--model", required=True, help="model directory, or just its config.json")
     pl.add_argument("--world-size", type=int, required=True)
-    pl.add_argument("--scheme", default="W4A16", choices=["W4A16", "W8A16"])
+    pl.add_argument("--scheme", default="W4A16", choices=SCHEMES, metavar="SCHEME")
     pl.add_argument("--group-size", type=int)
     pl.add_argument("--ignore", action="append", default=[])
     pl.add_argument("--layers", type=int, default=None, help="show only the first N layers")
@@ -149,12 +157,12 @@ def _command(args):
                 recipe=args.recipe, coordinator=args.coordinator, allow_long_seq=args.allow_long_seq,
                 boundary_every=args.boundary_every, mtbf_s=args.mtbf)
     elif args.command == "export":
-        from .export import export
+        from .destination import export_to
         from .records import open_records
         from .state import StateStore
 
         state = StateStore(args.state)
-        print(export(state, open_records(state), args.output))
+        print(export_to(state, open_records(state), args.output))
     elif args.command == "plan":
         from .api import plan
         from .recipe import Recipe

@@ -6,6 +6,9 @@ when a step of its own needs the result, and that result comes from an earlier s
 waits on a later one. Whole groups of one shape are solved in one batch (MoE experts). A shared group's
 factor comes from one rank, or (spread, when wide) panel by panel from all of them; then the pieces of
 its inverse, then row slices of its solve. Every rank ends with every group's result.
+
+Each module's qparams come from its whole original weight (gptq.module_qparams), which every rank holds, so a
+row slice is solved with its rows' scales: no rank needs another's rows to quantize its own.
 """
 
 import dataclasses
@@ -13,6 +16,7 @@ import logging
 from collections.abc import Callable
 
 import torch
+from compressed_tensors.quantization import QuantizationArgs
 
 from . import gptq
 from .cholesky import (
@@ -78,31 +82,37 @@ class SharedFactor:
 
 class Executor:
     """Runs `plan` for `groups` on this rank. `weights`: module name -> weight [rows, cols] on this rank's
-    device. `on_solved` receives [(group, result)] of the groups this rank owns as soon as they are solved
+    device; `args` and `qparams`: module name -> its weights' QuantizationArgs (one per group) and QParams.
+    `on_solved` receives [(group, solved weight)] of the groups this rank owns as soon as they are solved
     (the runner persists them); `damping` holds the damping of the groups whose Hessian this rank factored
     (None: round-to-nearest)."""
 
     def __init__(self, world: World, plan: Plan, groups: list[Group], weights: dict, recipe: Recipe, layer: int,
-                 on_solved: Callable[[list[tuple[Group, gptq.Result]]], None]):
+                 on_solved: Callable[[list[tuple[Group, torch.Tensor]]], None],
+                 args: dict[str, QuantizationArgs], qparams: dict[str, gptq.QParams]):
         self.world, self.plan, self.groups, self.weights = world, plan, groups, weights
-        self.args, self.frac, self.block = recipe.weights, recipe.dampening_frac, recipe.block_size
+        self.args, self.qparams = args, qparams
+        self.frac, self.block = recipe.dampening_frac, recipe.block_size
         self.layer, self.on_solved = layer, on_solved
         self.owners = plan.owners()
         self.spread = {s.group.name for s in plan.steps if s.kind == StepKind.PANEL}  # every rank factors a piece
         wholes = [s for s in plan.steps if s.kind == StepKind.WHOLE and s.rank == world.rank]
-        self.batch_of = {id(s): b for b in _batches(wholes, lambda s: (s.group.rows, s.group.cols),
+        self.batch_of = {id(s): b for b in _batches(wholes, self._batch_key,
                                                     lambda s: s.group.cols * (s.group.rows + s.group.cols)) for s in b}
         self.hessian: dict[str, torch.Tensor] = {}  # normalized, of the groups this rank factors
         self.shared: dict[str, SharedFactor] = {}
-        self.slices: dict[tuple[str, int], gptq.Result] = {}  # (group, first row) -> rows of a whole or solve step
+        self.slices: dict[tuple[str, int], torch.Tensor] = {}  # (group, first row) -> rows of a whole or solve step
         self.pending: list = []  # broadcasts of results
         self.damping: dict[Group, float | None] = {}
 
-    def run(self, hessians: dict[str, torch.Tensor], num_samples: int) -> dict[str, gptq.Result]:
-        """Every group's result, from this rank's Hessian sums (group name -> [d, d], cleared here: only the
-        normalized ones are kept)."""
-        _wait([self.world.all_reduce(hessians[g.name]) if g.name in self.spread else
-               self.world.reduce_to(hessians[g.name], self.owners[g.name]) for g in self.groups])
+    def run(self, hessians: dict[str, torch.Tensor], num_samples: int, ranges: dict | None = None
+            ) -> dict[str, torch.Tensor]:
+        """Every group's solved weight, from this rank's Hessian sums (group name -> [d, d], cleared here: only
+        the normalized ones are kept); `ranges` (calibration.Calibration's) reduced over all ranks in place."""
+        works = [self.world.all_reduce(hessians[g.name]) if g.name in self.spread else
+                 self.world.reduce_to(hessians[g.name], self.owners[g.name]) for g in self.groups]
+        self._reduce_ranges(ranges or {})
+        _wait(works)
         self.hessian = {g.name: hessians[g.name] / num_samples for g in self.groups
                         if self.owners[g.name] == self.world.rank or g.name in self.spread}
         hessians.clear()
@@ -120,11 +130,13 @@ class Executor:
             self.slices[(s.group.name, 0)] = self._placeholder(s)
         elif (s.group.name, 0) not in self.slices:  # else solved with an earlier step of its batch
             batch = self.batch_of[id(s)]
-            prep = gptq.prepare(torch.stack([self.hessian.pop(o.group.name) for o in batch]), self.args.actorder,
+            args = self.args[s.group.name]
+            prep = gptq.prepare(torch.stack([self.hessian.pop(o.group.name) for o in batch]), args.actorder,
                                 self.frac)
-            r = gptq.solve(torch.stack([self._rows(o) for o in batch]), prep, self.args, self.block)
+            r = gptq.solve(torch.stack([self._rows(o) for o in batch]), prep, args, self.block,
+                           *self._scales(batch))
             for i, o in enumerate(batch):
-                self.slices[(o.group.name, 0)] = gptq.Result(r.weight[i], r.scale[i], r.zero_point[i])
+                self.slices[(o.group.name, 0)] = r[i]
                 self._note(o.group, prep.damping[i])
             self.on_solved([(o.group, self.slices[(o.group.name, 0)]) for o in batch])
         self._broadcast(s)
@@ -133,7 +145,7 @@ class Executor:
         """A shared group's factor, on one rank, to every rank."""
         g = s.group
         if s.rank == self.world.rank:
-            factored = gptq.factor(self.hessian.pop(g.name)[None], self.args.actorder, self.frac)
+            factored = gptq.factor(self.hessian.pop(g.name)[None], self.args[g.name].actorder, self.frac)
             self._note(g, factored.damping[0])
             matrix, meta = factored.pack()
         else:
@@ -165,14 +177,15 @@ class Executor:
     def solve(self, s: Step):
         """Rows start:end of a shared group, to every rank."""
         if s.rank == self.world.rank:
-            r = gptq.solve(self._rows(s)[None], self._prepared(s.group), self.args, self.block)
-            self.slices[(s.group.name, s.start)] = gptq.Result(r.weight[0], r.scale[0], r.zero_point[0])
+            r = gptq.solve(self._rows(s)[None], self._prepared(s.group), self.args[s.group.name], self.block,
+                           *self._scales([s]))
+            self.slices[(s.group.name, s.start)] = r[0]
         else:
             self.slices[(s.group.name, s.start)] = self._placeholder(s)
         self._broadcast(s)
 
     # -- the rest ----------------------------------------------------------------------------------------
-    def assemble(self) -> dict[str, gptq.Result]:
+    def assemble(self) -> dict[str, torch.Tensor]:
         """Shared groups' row slices joined; the shared groups this rank owns handed to `on_solved`."""
         results = {}
         for g in self.groups:
@@ -181,8 +194,7 @@ class Executor:
             if self.plan.shared(g):
                 parts = [self.slices[(g.name, s.start)] for s in sorted(self.plan.steps, key=lambda s: s.start)
                          if s.group is g and s.kind == StepKind.SOLVE]
-                results[g.name] = gptq.Result(torch.cat([p.weight for p in parts]), torch.cat([p.scale for p in parts]),
-                                              torch.cat([p.zero_point for p in parts]))
+                results[g.name] = torch.cat(parts)
             else:
                 results[g.name] = self.slices[(g.name, 0)]
         owned = [(g, results[g.name]) for g in self.groups if self.owners[g.name] == self.world.rank and
@@ -194,7 +206,7 @@ class Executor:
     def _spread(self, g: Group) -> SharedFactor:
         """A spread group's factor: this rank's copy of the column pieces, from the all-reduced Hessian."""
         if g.name not in self.shared:
-            h, perm, dead, _ = gptq.order(self.hessian[g.name][None], self.args.actorder)
+            h, perm, dead, _ = gptq.order(self.hessian[g.name][None], self.args[g.name].actorder)
             starts = [start for start, _ in cholesky_panels(g.cols)]
             matrix = torch.zeros(1, g.cols, g.cols, device=self.world.device)
             self.shared[g.name] = SharedFactor(
@@ -210,7 +222,7 @@ class Executor:
             _wait([work for _, work in f.inverse.values()])
             spans = inverse_pieces(g.cols)
             if g.name in self.spread and matrix.isnan().any():  # not positive definite: every rank retries alone
-                f.prepared = gptq.prepare(self.hessian[g.name][None], self.args.actorder, self.frac)
+                f.prepared = gptq.prepare(self.hessian[g.name][None], self.args[g.name].actorder, self.frac)
             elif spans:
                 order = gptq.Factored.unpack(f.matrix, f.meta)
                 hinv = assemble([f.inverse[start][0] for start, _ in spans], g.cols)
@@ -222,16 +234,39 @@ class Executor:
     def _rows(self, s: Step) -> torch.Tensor:
         return torch.cat([self.weights[name][lo:hi] for name, lo, hi in s.pieces()])
 
-    def _placeholder(self, s: Step) -> gptq.Result:
+    def _batch_key(self, s: Step):
+        """Whole groups solved in one batch: same shape, same quantization."""
+        return s.group.rows, s.group.cols, self.args[s.group.name].model_dump_json()
+
+    def _scales(self, steps: list[Step]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[B, rows, column groups] effective scales and zero points (None: symmetric) of the steps' rows."""
+        tables = []
+        for s in steps:
+            parts = [gptq.row_qparams(self.qparams[name], self.args[name], self.weights[name].shape[0])
+                     for name, _, _ in s.pieces()]
+            tables.append([torch.cat([t[i][lo:hi] for t, (_, lo, hi) in zip(parts, s.pieces())])
+                           if parts[0][i] is not None else None for i in (0, 1)])
+        scale, zero_point = zip(*tables)
+        return torch.stack(scale), None if zero_point[0] is None else torch.stack(zero_point)
+
+    def _reduce_ranges(self, ranges: dict):
+        """Min and max over all ranks, exactly: every rank's values summed into its own slot of zeros (an
+        all-gather by sum), then reduced here."""
+        if not ranges or not self.world.distributed:
+            return
+        names = sorted(ranges)
+        slots = torch.zeros(self.world.size, len(names), 2, dtype=torch.float64, device=self.world.device)
+        slots[self.world.rank] = torch.stack([ranges[n].double() for n in names])
+        _wait([self.world.all_reduce(slots)])
+        for i, n in enumerate(names):
+            ranges[n] = torch.stack([slots[:, i, 0].amin(), slots[:, i, 1].amax()]).to(ranges[n].dtype)
+
+    def _placeholder(self, s: Step) -> torch.Tensor:
         """Where another rank's rows start:end of a group arrive."""
-        rows, dtype = s.end - s.start, self.weights[s.group.name].dtype
-        ngroups = s.group.cols // self.args.group_size if self.args.group_size else 1
-        return gptq.Result(self._empty(rows, s.group.cols, dtype=dtype), self._empty(rows, ngroups, dtype=dtype),
-                           self._empty(rows, ngroups, dtype=self.args.zp_dtype))
+        return self._empty(s.end - s.start, s.group.cols, dtype=self.weights[s.group.name].dtype)
 
     def _broadcast(self, s: Step):
-        r = self.slices[(s.group.name, s.start)]
-        self.pending += [self.world.broadcast(t, s.rank) for t in (r.weight, r.scale, r.zero_point)]
+        self.pending.append(self.world.broadcast(self.slices[(s.group.name, s.start)], s.rank))
 
     def _empty(self, *shape, dtype=torch.float32) -> torch.Tensor:
         return torch.empty(*shape, dtype=dtype, device=self.world.device)

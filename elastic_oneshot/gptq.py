@@ -1,7 +1,8 @@
 """GPTQ (Frantar et al., 2022) with LLM Compressor's semantics. Pure math: no I/O, no processes.
 
 Matches llmcompressor 0.14's GPTQModifier: Hessian 2/n * sum x x^T over the n calibration sequences,
-scales from the original weight's min/max (fixed during the solve), static activation ordering,
+scales from the original weight's min/max by every strategy compressed-tensors has (tensor, channel, group,
+tensor group with a global scale shared by fused modules, block), fixed during the solve; static activation ordering,
 dead columns zeroed, damping 0.01 * mean(diag H). Three differences, all deliberate: a Cholesky
 failure retries with more damping before falling back to round-to-nearest; modules that share
 an input (and so a Hessian) are solved together as one matrix, their rows stacked; and for Hessians
@@ -13,10 +14,15 @@ three fp32 steps).
 import dataclasses
 import math
 from copy import copy
+from typing import NamedTuple
 
 import torch
 from compressed_tensors.quantization import QuantizationArgs, QuantizationStrategy, fake_quantize
-from compressed_tensors.quantization.utils import calculate_qparams
+from compressed_tensors.quantization.utils import (
+    calculate_qparams,
+    generate_gparam,
+    maybe_pad_tensor_for_block_quant,
+)
 
 from .cholesky import (
     assemble,
@@ -65,22 +71,85 @@ def symmetric(lower: torch.Tensor) -> torch.Tensor:
     return lower.tril() + lower.tril(-1).mT
 
 
-def qparams(weight: torch.Tensor, args: QuantizationArgs) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scale and zero point from the weight's min and max per group (the peer's memoryless_minmax)."""
-    if args.strategy == QuantizationStrategy.GROUP:
-        w = weight.unflatten(-1, (-1, args.group_size))
-    else:
-        w = weight.unsqueeze(-2)
-    return calculate_qparams(w.amin(-1), w.amax(-1), args)
+# Sibling modules that vLLM fuses, so that with tensor-group scales (NVFP4) they share one global scale: the
+# peer's FUSED_LAYER_NAMES (llmcompressor/observers/helpers.py), grouped under their parent module.
+FUSED_LAYER_NAMES = (("gate_proj", "up_proj"), ("q_proj", "k_proj", "v_proj"), ("q_a_proj", "kv_a_proj_with_mqa"),
+                     ("w1", "w3"))
+GROUPED = (QuantizationStrategy.GROUP, QuantizationStrategy.TENSOR_GROUP)
 
 
-@dataclasses.dataclass
-class Result:
-    """Solved matrices, [B, rows, cols] for a batch (or one matrix's [rows, cols])."""
+class QParams(NamedTuple):
+    """A module's quantization parameters, from its whole original weight, fixed during the solve."""
 
-    weight: torch.Tensor  # fake-quantized: exactly representable by (codes, scale, zero point)
-    scale: torch.Tensor
+    scale: torch.Tensor  # [1] tensor, [rows, 1] channel, [rows, groups] group, [row blocks, column blocks] block
     zero_point: torch.Tensor
+    global_scale: torch.Tensor | None = None  # tensor group: [1] fp32, shared across the fusion group
+
+
+def _observed(weight: torch.Tensor, args: QuantizationArgs) -> torch.Tensor:
+    """The weight as the peer's observer flattens it: one qparam per row of the result (blocks zero-padded)."""
+    if args.strategy == QuantizationStrategy.TENSOR:
+        return weight.reshape(1, -1)
+    if args.strategy in GROUPED:
+        return weight.unflatten(-1, (-1, args.group_size))
+    if args.strategy == QuantizationStrategy.BLOCK:
+        height, width = args.block_structure
+        padded = maybe_pad_tensor_for_block_quant(weight, tuple(args.block_structure))
+        rows, cols = padded.shape
+        return padded.reshape(rows // height, height, cols // width, width).transpose(1, 2).flatten(-2)
+    return weight.unsqueeze(-2)
+
+
+def qparams(weight: torch.Tensor, args: QuantizationArgs, global_scale: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and zero point from the weight's min and max per qparam (the peer's memoryless_minmax)."""
+    w = _observed(weight, args)
+    return calculate_qparams(w.amin(-1), w.amax(-1), args, global_scale)
+
+
+def global_scale(weights: list[torch.Tensor], args: QuantizationArgs) -> torch.Tensor | None:
+    """Tensor group's global scale from the absolute maximum over a fusion group's weights; else None."""
+    if args.strategy != QuantizationStrategy.TENSOR_GROUP:
+        return None
+    absmax = torch.stack([torch.maximum(w.amax(), -w.amin()) for w in weights]).amax().reshape(1)
+    return generate_gparam(-absmax, absmax)
+
+
+def module_qparams(modules: dict[str, torch.nn.Module], args: dict[str, QuantizationArgs]) -> dict[str, QParams]:
+    """QParams of the modules named in `args` (names within one layer; `modules`: the layer's, with their
+    original weights), fusion groups sharing one global scale."""
+    fused = {}
+    for name in args:
+        parent, _, leaf = name.rpartition(".")
+        siblings = next((f for f in FUSED_LAYER_NAMES if leaf in f), ())
+        members = [f"{parent}.{s}" if parent else s for s in siblings]
+        fused[name] = members if members and all(m in modules for m in members) else [name]
+    out = {}
+    for name, a in args.items():
+        g = global_scale([modules[m].weight for m in fused[name] if m in args], a)
+        out[name] = QParams(*qparams(modules[name].weight, a, g), g)
+    return out
+
+
+def row_qparams(q: QParams, args: QuantizationArgs, rows: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per output row, the effective scale (divided by the global scale) and zero point (None if symmetric)
+    of each column group (`column_groups`): any slice of rows can then be solved alone."""
+    scale, zp = q.scale, q.zero_point
+    if args.strategy == QuantizationStrategy.TENSOR:
+        scale, zp = scale.reshape(1, 1).expand(rows, 1), zp.reshape(1, 1).expand(rows, 1)
+    elif args.strategy == QuantizationStrategy.BLOCK:
+        index = torch.arange(rows, device=scale.device) // args.block_structure[0]
+        scale, zp = scale[index], zp[index]
+    if q.global_scale is not None:
+        scale = scale / q.global_scale
+    return scale.contiguous(), None if args.symmetric else zp.contiguous()
+
+
+def column_groups(cols: int, args: QuantizationArgs, device=None) -> torch.Tensor:
+    """[cols]: the column group of each input column (0 for tensor and channel)."""
+    width = args.group_size if args.strategy in GROUPED else \
+        args.block_structure[1] if args.strategy == QuantizationStrategy.BLOCK else cols
+    return torch.arange(cols, device=device) // width
 
 
 @dataclasses.dataclass
@@ -207,16 +276,18 @@ def prepare(hessian: torch.Tensor, actorder, dampening_frac: float = 0.01) -> Pr
     return invert(factor(hessian, actorder, dampening_frac))
 
 
-def solve(weight: torch.Tensor, prep: Prepared, args: QuantizationArgs, block_size: int = 128) -> Result:
-    """The O(rows * d^2) part for a batch [B, rows, d] of any rows (rows are independent given `prep`)."""
-    scale, zero_point = qparams(weight, args)
+def solve(weight: torch.Tensor, prep: Prepared, args: QuantizationArgs, block_size: int = 128,
+          scale: torch.Tensor | None = None, zero_point: torch.Tensor | None = None) -> torch.Tensor:
+    """The O(rows * d^2) part for a batch [B, rows, d] of any rows (rows are independent given `prep`): the
+    fake-quantized weight. `scale`, `zero_point`: [B, rows, column groups] from `row_qparams` of the rows' modules;
+    omitted, they come from these rows alone (per-row strategies: channel, group)."""
+    if scale is None:
+        scale, zero_point = qparams(weight, args)
+        zero_point = None if args.symmetric else zero_point
     batch, rows, cols = weight.shape
     perm = prep.perm
     W = torch.gather(weight.to(torch.float32), -1, perm.unsqueeze(-2).expand(-1, rows, -1))
-    if args.strategy == QuantizationStrategy.GROUP:
-        g_idx = (torch.arange(cols, device=W.device) // args.group_size)[perm]  # [B, d]
-    else:
-        g_idx = torch.zeros_like(perm)
+    g_idx = column_groups(cols, args, W.device)[perm]  # [B, d]
     W.masked_fill_(prep.dead.unsqueeze(-2), 0)
     Hinv = prep.hinv
 
@@ -226,7 +297,7 @@ def solve(weight: torch.Tensor, prep: Prepared, args: QuantizationArgs, block_si
         i2 = min(i1 + block_size, cols)
         window = g_idx[:, i1:i2].unsqueeze(-2).expand(-1, rows, -1)
         col_scale = torch.gather(scale, -1, window)
-        col_zp = None if args.symmetric else torch.gather(zero_point, -1, window)
+        col_zp = None if zero_point is None else torch.gather(zero_point, -1, window)
         W1 = W[:, :, i1:i2].clone()
         Err1 = torch.zeros_like(W1)
         Hinv1 = Hinv[:, i1:i2, i1:i2]
@@ -243,12 +314,17 @@ def solve(weight: torch.Tensor, prep: Prepared, args: QuantizationArgs, block_si
         W[:, :, i2:] -= torch.bmm(Err1, Hinv[:, i1:i2, i2:])
 
     W = torch.gather(W, -1, torch.argsort(perm, dim=-1).unsqueeze(-2).expand(-1, rows, -1))
-    return Result(W.to(weight.dtype), scale.to(weight.dtype), zero_point)
+    return W.to(weight.dtype)
 
 
-def quantize(weight: torch.Tensor, hessian: torch.Tensor, args: QuantizationArgs,
-             block_size: int = 128, dampening_frac: float = 0.01) -> tuple[Result, Prepared]:
-    """GPTQ one weight matrix [rows, cols] against its normalized Hessian [cols, cols]."""
+def quantize(weight: torch.Tensor, hessian: torch.Tensor, args: QuantizationArgs, block_size: int = 128,
+             dampening_frac: float = 0.01, fused_global_scale: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, QParams, Prepared]:
+    """GPTQ one weight matrix [rows, cols] against its normalized Hessian [cols, cols]; tensor group takes its
+    fusion group's global scale (default: its own)."""
+    g = fused_global_scale if fused_global_scale is not None else global_scale([weight], args)
+    q = QParams(*qparams(weight, args, g), g)
     prep = prepare(hessian.unsqueeze(0), args.actorder, dampening_frac)
-    r = solve(weight.unsqueeze(0), prep, args, block_size)
-    return Result(r.weight[0], r.scale[0], r.zero_point[0]), prep
+    scale, zp = row_qparams(q, args, weight.shape[0])
+    w = solve(weight.unsqueeze(0), prep, args, block_size, scale[None], None if zp is None else zp[None])
+    return w[0], q, prep

@@ -2,23 +2,29 @@
 
 They come two ways: YAML (or JSON) text or file nested `<name>_stage: <name>_modifiers: GPTQModifier: {...}`,
 or `GPTQModifier(...)` objects (alone, in a list, or in llmcompressor's `Recipe`) passed to `oneshot`.
-Both are read as the peer reads them; anything this tool would not do as the peer does (another modifier,
-activation or float quantization, other targets) is refused in one line instead of being ignored.
+Both are read as the peer reads them (presets, `scheme: {PRESET: targets}`, several config groups); anything this
+tool would not do as the peer does (another modifier, output or kv-cache quantization, other observers) is refused
+in one line instead of being ignored.
 """
 
+import json
 import os
 
 import yaml
-from compressed_tensors.quantization import QuantizationArgs, is_preset_scheme, preset_name_to_scheme
+from compressed_tensors.quantization import (
+    QuantizationArgs,
+    QuantizationScheme,
+    is_preset_scheme,
+    preset_name_to_scheme,
+)
 from pydantic import ValidationError
 
 from .errors import UsageError
-from .recipe import ACTORDERS, PRESETS, Recipe
+from .recipe import ACTORDERS, CUSTOM, PRESETS, Recipe, with_observers
 
 GPTQ = "GPTQModifier"
 # GPTQModifier arguments that change nothing in a oneshot run: lifecycle fields of every modifier, a memory knob.
 INERT = {"index", "group", "start", "end", "update", "batched_quantization"}
-WEIGHT_OBSERVERS = {None, "minmax", "memoryless_minmax"}  # identical on weights observed once
 
 
 def load_recipe(recipe) -> Recipe:
@@ -71,88 +77,97 @@ def _from_objects(recipe) -> list[tuple[str, dict]]:
 
 
 def _gptq(args: dict) -> Recipe:
-    """GPTQModifier's arguments, resolved as llmcompressor resolves them, as a Recipe."""
+    """GPTQModifier's arguments, resolved as llmcompressor resolves them, as a Recipe: a preset with our options
+    where one says the same, else its config groups."""
     known = {"targets", "ignore", "scheme", "config_groups", "block_size", "dampening_frac", "actorder",
              "kv_cache_scheme", "weight_observer", "input_observer", "output_observer", "observer",
              "bypass_divisibility_checks"}
     unknown = sorted(set(args) - known - INERT)
     if unknown:
         raise UsageError(f"GPTQModifier argument {unknown[0]!r} is not supported")
-    for key in ("kv_cache_scheme", "input_observer", "output_observer"):
-        if args.get(key) is not None:
-            raise UsageError(f"GPTQModifier {key} is not supported: elastic-oneshot quantizes weights only")
+    if args.get("kv_cache_scheme") is not None:
+        raise UsageError("GPTQModifier kv_cache_scheme is not supported: elastic-oneshot quantizes Linear layers only")
     if args.get("bypass_divisibility_checks"):
         raise UsageError("bypass_divisibility_checks is not supported: group sizes must divide every input dimension")
     observer = args.get("observer") or {}
-    if set(observer) - {"weights"} or {args.get("weight_observer"), observer.get("weights")} - WEIGHT_OBSERVERS:
-        raise UsageError("observers other than memoryless_minmax on weights are not supported")
-
-    scheme = _scheme(args)
-    targets = scheme.get("targets")
-    if targets not in (["Linear"], "Linear"):
-        raise UsageError(f"targets {targets!r} are not supported: elastic-oneshot quantizes every Linear "
-                         "(use ignore to leave some out)")
-    for key in ("input_activations", "output_activations"):
-        if scheme.get(key) is not None:
-            raise UsageError(f"{key} are not supported: elastic-oneshot quantizes weights only (W*A16)")
-    if scheme.get("format") not in (None, "pack-quantized"):
-        raise UsageError(f"format {scheme['format']!r} is not supported: elastic-oneshot writes pack-quantized")
-    weights = _weights(scheme.get("weights"))
-    actorder = _actorder(args, weights)
-
-    group = -1 if weights.strategy == "channel" else weights.group_size
-    preset = f"W{weights.num_bits}A16"
-    recipe = Recipe(
-        scheme=preset, group_size=None if group == preset_name_to_scheme(preset, ["Linear"]).weights.group_size
-        else group, symmetric=weights.symmetric, actorder=actorder,
-        dampening_frac=args.get("dampening_frac", 0.01), block_size=args.get("block_size", 128),
-        ignore=tuple(args.get("ignore", ())))
-    mine = recipe.weights
-    for field in QuantizationArgs.model_fields:
-        if field not in ("actorder", "observer") and getattr(weights, field) != getattr(mine, field):
-            raise UsageError(f"weights {field}={getattr(weights, field)!r} is not supported")
-    return recipe
+    if set(observer) - {"weights", "input"} or args.get("output_observer") is not None:
+        raise UsageError("output observers are not supported: elastic-oneshot quantizes no output activations")
+    observers = {"weights": observer.get("weights", args.get("weight_observer")),
+                 "inputs": observer.get("input", args.get("input_observer"))}
+    schemes = {}
+    for name, scheme in _schemes(args).items():
+        if scheme.weights is not None:
+            scheme.weights.actorder = _actorder(args, scheme.weights)
+        schemes[name] = with_observers(scheme, **observers)
+    common = dict(dampening_frac=args.get("dampening_frac", 0.01), block_size=args.get("block_size", 128),
+                  ignore=tuple(args.get("ignore", ())))
+    if len(schemes) == 1:
+        (scheme,) = schemes.values()
+        preset = _as_preset(scheme, common)
+        if preset is not None:
+            return preset
+    return Recipe(scheme=CUSTOM, actorder=_order(args.get("actorder", "static")),
+                  config_groups={name: s.model_dump(mode="json") for name, s in schemes.items()}, **common)
 
 
-def _scheme(args: dict) -> dict:
-    """The one quantization scheme of `scheme` (a preset name, or {preset: targets}) or `config_groups`."""
+def _as_preset(scheme: QuantizationScheme, common: dict) -> Recipe | None:
+    """The preset recipe (with our int options: group size, symmetry) whose scheme is `scheme`, if any: the job
+    of the same command-line flags."""
+    w = scheme.weights
+    if w is None or list(scheme.targets) != ["Linear"]:
+        return None
+    for name in PRESETS:
+        ints = w.type == "int" and preset_name_to_scheme(name, ["Linear"]).weights.type == "int"
+        group = (-1 if w.strategy == "channel" else w.group_size) if ints else None
+        try:
+            candidate = Recipe(scheme=name, symmetric=w.symmetric if ints else True, actorder=_order(w.actorder),
+                               group_size=None if group == _preset_group(name) else group, **common)
+        except UsageError:
+            continue
+        if _same(candidate.schemes["group_0"], scheme):
+            return candidate
+    return None
+
+
+def _preset_group(name: str) -> int | None:
+    w = preset_name_to_scheme(name, ["Linear"]).weights
+    return w.group_size if w.strategy == "group" else -1
+
+
+def _same(a, b) -> bool:
+    return json.dumps(a.model_dump(mode="json"), sort_keys=True) == json.dumps(b.model_dump(mode="json"),
+                                                                              sort_keys=True)
+
+
+def _schemes(args: dict) -> dict[str, QuantizationScheme]:
+    """The quantization schemes of `scheme` (a preset name, or {preset: targets}) or `config_groups`, by group name
+    (the peer's resolve_quantization_config)."""
     scheme, groups = args.get("scheme"), args.get("config_groups")
     if scheme is not None and groups is not None:
         raise UsageError("GPTQModifier takes either scheme or config_groups, not both")
+    targets = args.get("targets", ["Linear"])
     if isinstance(scheme, str):
-        scheme = {scheme: args.get("targets", ["Linear"])}
+        scheme = {scheme: targets}
     if scheme is not None:
-        if len(scheme) != 1:
-            raise UsageError(f"one scheme is supported, not {len(scheme)} ({', '.join(scheme)})")
-        (name, targets), = scheme.items()
-        if not is_preset_scheme(name):
-            raise UsageError(f"unknown scheme {name!r}: use a preset such as {', '.join(PRESETS)}, or config_groups")
-        return preset_name_to_scheme(name, [targets] if isinstance(targets, str) else targets).model_dump()
+        out = {}
+        for i, (name, group_targets) in enumerate(scheme.items()):
+            if not is_preset_scheme(name) or name.upper() == "UNQUANTIZED":
+                raise UsageError(f"unknown scheme {name!r}: use a preset such as {', '.join(PRESETS[:6])}, ..., "
+                                 "or config_groups")
+            out[f"group_{i}"] = preset_name_to_scheme(name, [group_targets] if isinstance(group_targets, str)
+                                                      else list(group_targets))
+        return out
     if not groups:
         raise UsageError("GPTQModifier needs a scheme (e.g. W4A16) or config_groups")
-    if len(groups) != 1:
-        raise UsageError(f"one config group is supported, not {len(groups)} ({', '.join(groups)})")
-    (group,) = groups.values()
-    return group
-
-
-def _weights(weights) -> QuantizationArgs:
-    if not weights:
-        raise UsageError("the config group quantizes no weights (weights: is missing)")
-    try:
-        args = QuantizationArgs.model_validate(weights)
-    except ValidationError as e:
-        error = e.errors()[0]
-        raise UsageError(f"invalid weights{''.join(f'.{x}' for x in error['loc'])}: {error['msg']}") from None
-    if args.type != "int":
-        raise UsageError(f"{args.type} weights are not supported: elastic-oneshot writes int weights (fp8, fp4: no)")
-    if not 2 <= args.num_bits <= 8:
-        raise UsageError(f"{args.num_bits}-bit weights are not supported: use 2 to 8 bits")
-    if args.strategy not in ("group", "channel"):
-        raise UsageError(f"weights strategy {args.strategy!r} is not supported: use group or channel")
-    if args.observer not in WEIGHT_OBSERVERS:
-        raise UsageError(f"weight observer {args.observer!r} is not supported: memoryless_minmax only")
-    return args
+    out = {}
+    for name, group in groups.items():
+        try:
+            out[name] = group if isinstance(group, QuantizationScheme) else QuantizationScheme.model_validate(group)
+        except ValidationError as e:
+            error = e.errors()[0]
+            raise UsageError(f"invalid config group {name}{''.join(f'.{x}' for x in error['loc'])}: "
+                             f"{error['msg']}") from None
+    return out
 
 
 def _actorder(args: dict, weights: QuantizationArgs) -> str | None:

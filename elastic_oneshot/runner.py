@@ -26,7 +26,7 @@ from .inputs import LayerInputs, to_device
 from .job import Job
 from .model import SourceModel
 from .moe import experts_mode
-from .packing import pack_group
+from .packing import LayerPacking
 from .plan import Group, layer_groups, make_plan
 from .progress import LayerBar
 from .records import Records
@@ -60,12 +60,12 @@ class Runner:
         self.job, self.state, self.records, self.source, self.world = job, state, records, source, world
         self.rank, self.device = world.rank, world.device
         self.epoch, self.committed = 0, {}  # set by begin_epoch(): this epoch, and layer -> epoch of its commit
-        self.scheme = job.recipe.quant_scheme
+        self.schemes = job.recipe.module_schemes(source.skeleton)  # full module name -> QuantizationScheme
         self.chunks = chunk_bounds(job.num_samples, job.chunk_size)
         self.layer_modules = quantized
         self.io = _io_thread()  # solved groups; boundaries have their own, so a commit never queues behind one
         own = list(partition(len(self.chunks), world.size, self.rank))
-        self.inputs = LayerInputs(state, source, job.seq_len, self.scheme, quantized, self.chunks, own,
+        self.inputs = LayerInputs(state, source, job.seq_len, self.schemes, quantized, self.chunks, own,
                                   self.device, self.manifest, self.durable)
         self.boundaries = Boundaries(state, _io_thread(), boundary_every, source.num_layers, len(self.chunks))
         self.mtbf_s = mtbf_s
@@ -176,9 +176,10 @@ class Runner:
         return tensors, [g for g in groups if g.name not in done]
 
     def calibrate(self, layer: int, module, groups: list[Group], seconds: dict) -> Calibration:
-        """Hessians of `groups` over this rank's chunks (not yet reduced across ranks)."""
-        start = time.perf_counter()
-        calib = Calibration(module, [[n for n, _ in g.modules] for g in groups], self.device, self.job.seq_len)
+        """Hessians of `groups` over this rank's chunks, and static inputs' ranges (not yet reduced across ranks)."""
+        start, prefix = time.perf_counter(), f"{self.source.layer_prefix}{layer}."
+        calib = Calibration(module, [[n for n, _ in g.modules] for g in groups], self.device, self.job.seq_len,
+                            {g.name: self.schemes[prefix + g.name] for g in groups})
         with experts_mode(module, self.job.moe_calibrate == "all"):
             for _, x in self.inputs.each(layer):
                 for sample in x.split(1):
@@ -205,23 +206,23 @@ class Runner:
         go to disk as soon as they are solved (written by the I/O thread; the commit waits for them).
         Returns the compressed tensors of these groups and this rank's notes."""
         modules, tensors, written = dict(layer_module.named_modules()), {}, set()
-        prefix = f"{self.source.layer_prefix}{layer}."
+        packing = LayerPacking(self.schemes, f"{self.source.layer_prefix}{layer}.", modules, self.layer_modules[layer],
+                               calib.ranges)
 
         def persist(solved: list):
-            packed = {k: v for g, result in solved for k, v in pack_group(prefix, g, result, self.scheme).items()}
+            packed = {k: v for g, weight in solved for k, v in packing.pack(g, weight).items()}
             written.update(g.name for g, _ in solved)
             tensors.update(packed)
             self._writes.append(self.io.submit(self.state.write_solved, layer, self.epoch,
                                                f"r{self.rank}.b{len(self._writes):04d}", [g.name for g, _ in solved],
                                                {k: v.cpu() for k, v in packed.items()}))
 
-        weights = {name: modules[name].weight for g in groups for name, _ in g.modules}
-        executor = Executor(self.world, make_plan(groups, self.world.size), groups, weights, self.job.recipe, layer,
-                            persist)
-        results = executor.run(calib.hessian, self.job.num_samples)
+        executor = Executor(self.world, make_plan(groups, self.world.size), groups, packing.weights, self.job.recipe,
+                            layer, persist, packing.args, packing.qparams)
+        results = executor.run(calib.hessian, self.job.num_samples, calib.ranges)
         for g in groups:
             if g.name not in written:
-                tensors.update(pack_group(prefix, g, results[g.name], self.scheme))
+                tensors.update(packing.pack(g, results[g.name]))
         return tensors, {name: {"damping": d} for g, d in executor.damping.items() for name, _ in g.modules}
 
     def commit(self, layer: int, notes: dict, seconds: dict):

@@ -2,6 +2,7 @@
 on plans forced to share or spread a group: the very bits of gptq.prepare + gptq.solve on one rank."""
 
 import dataclasses
+import types
 
 import pytest
 import torch
@@ -39,24 +40,25 @@ def problem(group: Group, seed: int = 0, indefinite: bool = False) -> tuple[dict
 def execute(plan: Plan, groups: list[Group], problems: list[tuple[dict, torch.Tensor]]):
     solved = []
     hessians = {g.name: h.clone() for g, (_, h) in zip(groups, problems)}
-    executor = Executor(World(), plan, groups, {k: v for w, _ in problems for k, v in w.items()}, RECIPE, 0,
-                        solved.append)
+    weights = {k: v for w, _ in problems for k, v in w.items()}
+    args = dict.fromkeys(weights, RECIPE.weights)
+    qparams = {k: gptq.QParams(*gptq.qparams(w, RECIPE.weights)) for k, w in weights.items()}
+    executor = Executor(World(), plan, groups, weights, RECIPE, 0, solved.append, args, qparams)
     results = executor.run(hessians, SAMPLES)
     assert not hessians  # the sums are released once normalized
     return results, executor.damping, solved
 
 
-def reference(group: Group, weights: dict, h: torch.Tensor, slices) -> tuple[gptq.Result, float]:
-    """gptq.prepare + gptq.solve on one rank, by the same row slices."""
+def reference(group: Group, weights: dict, h: torch.Tensor, slices) -> tuple[torch.Tensor, float]:
+    """gptq.prepare + gptq.solve on one rank, by the same row slices (each with its own rows' scales)."""
     prep = gptq.prepare((h / SAMPLES)[None], RECIPE.actorder, RECIPE.dampening_frac)
     w = torch.cat([weights[name] for name, _ in group.modules])
     parts = [gptq.solve(w[None, lo:hi], prep, RECIPE.weights, RECIPE.block_size) for lo, hi in slices]
-    return gptq.Result(*(torch.cat([getattr(p, f)[0] for p in parts]) for f in ("weight", "scale", "zero_point"))), \
-        prep.damping[0]
+    return torch.cat([p[0] for p in parts]), prep.damping[0]
 
 
-def assert_equal(a: gptq.Result, b: gptq.Result):
-    assert torch.equal(a.weight, b.weight) and torch.equal(a.scale, b.scale) and torch.equal(a.zero_point, b.zero_point)
+def assert_equal(a: torch.Tensor, b: torch.Tensor):
+    assert torch.equal(a, b)
 
 
 def sliced(plan: Plan, cuts: list[int]) -> Plan:
@@ -100,3 +102,24 @@ def test_whole_groups_of_one_shape_are_solved_in_one_batch():
         expected, expected_damping = reference(g, weights, h, [(0, g.rows)])
         assert_equal(results[g.name], expected)  # batched bits equal one-at-a-time bits (test_gptq)
         assert damping[g] == expected_damping == RECIPE.dampening_frac
+
+
+@pytest.mark.parametrize("preset", ["NVFP4", "FP8_BLOCK", "FP8", "MXFP4"])
+def test_every_strategy_splits_rows_exactly(preset, small_pieces):
+    """Tensor, block and tensor-group scales come from each module's whole weight (q, k and v sharing NVFP4's
+    global scale): the rows that ranks solve apart, spread or not, are the one-rank solve's bits."""
+    recipe = Recipe(scheme=preset)
+    group = Group((("q_proj", 40), ("k_proj", 24), ("v_proj", 24)), 160)
+    plan = sliced(_schedule([group], 1, CostModel(), [group], True), [30, 50])
+    weights, h = problem(group)
+    args = dict.fromkeys(weights, recipe.weights)
+    qparams = gptq.module_qparams({n: types.SimpleNamespace(weight=w) for n, w in weights.items()}, args)
+    executor = Executor(World(), plan, [group], weights, recipe, 0, lambda solved: None, args, qparams)
+    results = executor.run({group.name: h.clone()}, SAMPLES)
+    prep = gptq.prepare((h / SAMPLES)[None], recipe.weights.actorder, recipe.dampening_frac)
+    tables = [gptq.row_qparams(qparams[n], recipe.weights, rows) for n, rows in group.modules]
+    scale = torch.cat([t[0] for t in tables])[None]
+    expected = gptq.solve(torch.cat(list(weights.values()))[None], prep, recipe.weights, recipe.block_size, scale)
+    assert torch.equal(results[group.name], expected[0])
+    if preset == "NVFP4":
+        assert len({q.global_scale.item() for q in qparams.values()}) == 1

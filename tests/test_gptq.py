@@ -35,40 +35,40 @@ def test_matches_llmcompressor(symmetric, actorder, group_size):
     args = QuantizationArgs(num_bits=4, symmetric=symmetric, strategy="group" if group_size else "channel",
                             group_size=group_size, actorder=actorder, observer="memoryless_minmax")
     w, h = problem()
-    ours, prep = gptq.quantize(w, h, args, block_size=128, dampening_frac=0.01)
+    ours, qp, prep = gptq.quantize(w, h, args, block_size=128, dampening_frac=0.01)
     q, scale, zp, fallback = peer(w, h, args)
     assert not fallback and prep.damping == [0.01]
-    assert torch.equal(ours.scale, scale) and torch.equal(ours.zero_point, zp)
-    same = (ours.weight == q).float().mean().item()
+    assert torch.equal(qp.scale, scale) and torch.equal(qp.zero_point, zp)
+    same = (ours == q).float().mean().item()
     print(f"identical weights {same:.4%}")
     assert same > 0.999
-    assert torch.all(ours.weight[:, [3, 77]] == 0)  # dead columns
+    assert torch.all(ours[:, [3, 77]] == 0)  # dead columns
 
 
 def test_shared_hessian_rows_stack():
     """Modules sharing a Hessian give the same result solved together as solved apart."""
     args = QuantizationArgs(num_bits=4, group_size=64, actorder="static", observer="memoryless_minmax")
     w, h = problem(rows=64)
-    together, prep = gptq.quantize(w, h, args)
-    apart = torch.cat([gptq.quantize(w[:40], h, args)[0].weight, gptq.quantize(w[40:], h, args)[0].weight])
-    assert (together.weight == apart).float().mean() > 0.999
+    together, _, prep = gptq.quantize(w, h, args)
+    apart = torch.cat([gptq.quantize(w[:40], h, args)[0], gptq.quantize(w[40:], h, args)[0]])
+    assert (together == apart).float().mean() > 0.999
     shared = gptq.Prepared.unpack(*prep.pack())  # as a slice owner receives it
-    sliced = torch.cat([gptq.solve(w[None, :32], shared, args).weight[0],
-                        gptq.solve(w[None, 32:], shared, args).weight[0]])
-    assert (together.weight == sliced).float().mean() > 0.999
+    sliced = torch.cat([gptq.solve(w[None, :32], shared, args)[0],
+                        gptq.solve(w[None, 32:], shared, args)[0]])
+    assert (together == sliced).float().mean() > 0.999
 
 
 def test_indefinite_hessian_retries_damping_then_falls_back():
     args = QuantizationArgs(num_bits=4, group_size=64, observer="memoryless_minmax")
     w, h = problem(dead=())
     h -= torch.eye(h.shape[0]) * torch.diag(h).mean() * 0.05  # indefinite at damping 0.01
-    _, prep = gptq.quantize(w, h, args, dampening_frac=0.01)
+    _, _, prep = gptq.quantize(w, h, args, dampening_frac=0.01)
     assert prep.damping[0] is not None and prep.damping[0] > 0.01
     h_bad = -torch.eye(h.shape[0]) + torch.diag(torch.full((h.shape[0],), 0.5))
-    r, prep = gptq.quantize(w, h_bad, args)
+    r, _, prep = gptq.quantize(w, h_bad, args)
     assert prep.damping == [None]  # round-to-nearest, reported by the caller
-    rtn = gptq.quantize(w, torch.eye(h.shape[0]), args)[0].weight
-    assert torch.equal(r.weight, rtn)
+    rtn = gptq.quantize(w, torch.eye(h.shape[0]), args)[0]
+    assert torch.equal(r, rtn)
 
 
 def test_batched_equals_one_at_a_time():
@@ -76,8 +76,8 @@ def test_batched_equals_one_at_a_time():
     args = QuantizationArgs(num_bits=4, group_size=64, actorder="static", observer="memoryless_minmax")
     problems = [problem(rows=32, cols=128, seed=s) for s in range(4)]
     w, h = torch.stack([p[0] for p in problems]), torch.stack([p[1] for p in problems])
-    batched = gptq.solve(w, gptq.prepare(h, "static"), args).weight
-    single = torch.stack([gptq.quantize(pw, ph, args)[0].weight for pw, ph in problems])
+    batched = gptq.solve(w, gptq.prepare(h, "static"), args)
+    single = torch.stack([gptq.quantize(pw, ph, args)[0] for pw, ph in problems])
     assert torch.equal(batched, single)
     untouched = gptq.prepare(torch.zeros(1, 128, 128), "static")  # an expert no token reached
     assert untouched.damping == [None] and not untouched.dead.any()
@@ -89,20 +89,20 @@ def test_wide_hessian_inverse_in_pieces():
     args = QuantizationArgs(num_bits=4, group_size=128, actorder="static", observer="memoryless_minmax")
     cols = cholesky.SHARED_INVERSE_COLS + 512
     w, h = problem(rows=16, cols=cols, dead=(5,))
-    ours, prep = gptq.quantize(w, h, args)
+    ours, _, prep = gptq.quantize(w, h, args)
     assert len(cholesky.inverse_pieces(cols)) == cols // cholesky.INVERSE_PIECE and prep.damping == [0.01]
     p = prep.perm[0]
     H = h[p][:, p].double()
     H.diagonal()[prep.dead[0]] = 1
     H.diagonal().add_(0.01 * H.diagonal().mean())
     exact = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True).float()
-    reference = gptq.solve(w[None], gptq.Prepared(exact[None], prep.perm, prep.dead, prep.damping), args).weight[0]
+    reference = gptq.solve(w[None], gptq.Prepared(exact[None], prep.perm, prep.dead, prep.damping), args)[0]
     q = peer(w, h, args)[0]
-    same, peer_same = ((ours.weight == reference).float().mean().item(), (q == reference).float().mean().item())
+    same, peer_same = ((ours == reference).float().mean().item(), (q == reference).float().mean().item())
     print(f"wide Hessian ({cols} columns), weights identical to an fp64 inverse's: ours {same:.4%}, "
           f"llmcompressor's {peer_same:.4%}")
     assert same == 1.0
-    assert (ours.weight == q).float().mean() > 0.99
+    assert (ours == q).float().mean() > 0.99
 
 
 @pytest.mark.parametrize("cols", [576, 1000])

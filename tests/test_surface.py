@@ -84,14 +84,13 @@ def test_recipe_spellings_of_the_same_job():
 
 
 @pytest.mark.parametrize("modifiers, message", [
-    ("GPTQModifier: {scheme: W8A8}", "input_activations are not supported"),
-    ("GPTQModifier: {scheme: FP8}", "not supported"),
-    ("GPTQModifier: {config_groups: {g: {targets: [Linear], weights: {num_bits: 8, type: float}}}}",
-     "float weights are not supported"),
+    ("GPTQModifier: {scheme: FP8, input_observer: minmax}", "observer 'minmax' are not supported"),
+    ("GPTQModifier: {scheme: NVFP4, weight_observer: mse}", "weight observer 'mse' is not supported"),
+    ("GPTQModifier: {config_groups: {g: {targets: [Linear], weights: {num_bits: 8, type: float, symmetric: false}}}}",
+     "asymmetric float weights are not supported"),
     ("GPTQModifier: {scheme: W4A16, actorder: group}", "actorder 'group' is not supported"),
-    ("GPTQModifier: {scheme: W4A16, targets: ['re:.*mlp.*']}", "targets ['re:.*mlp.*'] are not supported"),
-    ("GPTQModifier: {config_groups: {g: {targets: [Linear], weights: {num_bits: 4, strategy: tensor}}}}",
-     "strategy 'tensor' is not supported"),
+    ("GPTQModifier: {config_groups: {g: {targets: [Linear], weights: {num_bits: 8}, "
+     "output_activations: {num_bits: 8}}}}", "output_activations are not supported"),
     ("GPTQModifier: {scheme: W4A16, kv_cache_scheme: {num_bits: 8}}", "kv_cache_scheme is not supported"),
     ("GPTQModifier: {scheme: W4A16, sequential_update: true}", "'sequential_update' is not supported"),
     ("QuantizationModifier: {scheme: W4A16}", "QuantizationModifier is not supported: elastic-oneshot runs GPTQ only"),

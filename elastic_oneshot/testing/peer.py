@@ -7,9 +7,11 @@ import transformers
 from ..data import calibration_samples
 
 
-def run_peer(model_dir: str, out: str, samples: int, seq_len: int, group_size: int, moe: bool = False) -> str:
-    """W4A16 (symmetric int4 groups, static activation order, damping 0.01) written to `out`; with `moe`,
-    every expert calibrates on every token and the routers stay unquantized, as ours do."""
+def run_peer(model_dir: str, out: str, samples: int, seq_len: int, group_size: int = 128, moe: bool = False,
+             scheme: str | dict | None = None) -> str:
+    """GPTQ with `scheme` written to `out`: a preset name (e.g. "FP8") on every Linear, a `config_groups` dict,
+    or by default W4A16 (symmetric int4 groups of `group_size`); static activation order, damping 0.01, lm_head
+    unquantized. With `moe`, every expert calibrates on every token and the routers stay unquantized, as ours do."""
     from datasets import Dataset
     from llmcompressor import oneshot
     from llmcompressor.modifiers.gptq import GPTQModifier
@@ -21,11 +23,13 @@ def run_peer(model_dir: str, out: str, samples: int, seq_len: int, group_size: i
     ids = ids[torch.argsort(torch.argsort(torch.tensor([seq_len] * samples), descending=True))]
     ds = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist()})
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    recipe = GPTQModifier(
-        config_groups={"group_0": {"targets": ["Linear"], "weights": {
-            "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": group_size}}},
-        ignore=["lm_head"] + (["re:.*mlp.gate$"] if moe else []), actorder="static", dampening_frac=0.01,
-        block_size=128)
+    if isinstance(scheme, str):
+        quantization = {"scheme": scheme, "targets": ["Linear"]}
+    else:
+        quantization = {"config_groups": scheme or {"group_0": {"targets": ["Linear"], "weights": {
+            "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": group_size}}}}
+    recipe = GPTQModifier(**quantization, ignore=["lm_head"] + (["re:.*mlp.gate$"] if moe else []),
+                          actorder="static", dampening_frac=0.01, block_size=128)
     oneshot(model=model, dataset=ds, recipe=recipe, num_calibration_samples=samples, max_seq_length=seq_len,
             shuffle_calibration_samples=False, pipeline="sequential",
             **({"moe_calibrate_all_experts": True} if moe else {}))
