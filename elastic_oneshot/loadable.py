@@ -20,7 +20,7 @@ from transformers.core_model_loading import WeightConverter, rename_source_key
 from transformers.quantizers.auto import get_hf_quantizer
 
 from .errors import UsageError
-from .model import SourceModel, _read_header
+from .model import SourceModel, _read_header, model_class
 
 
 def check_loadable(directory: str, source: SourceModel, quantization: QuantizationConfig,
@@ -33,7 +33,7 @@ def check_loadable(directory: str, source: SourceModel, quantization: Quantizati
     written.discard("__metadata__")
     ignored = set(quantization.ignore or ())
     unquantized = [name for name, m in source.skeleton.named_modules() if isinstance(m, torch.nn.Linear)
-                   and name not in ignored and source.stored_name(f"{name}.weight_packed") not in written]
+                   and name not in ignored and source.stored_name(f"{name}.weight_scale") not in written]
     if unquantized:
         _fail(directory, f"{len(unquantized)} Linear modules neither quantized nor in ignore", unquantized)
     model, quantizer = _loader_model(directory, trust_remote_code)
@@ -61,7 +61,7 @@ def _loader_model(directory: str, trust_remote_code: bool):
     config = transformers.AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
     quantizer, config, _ = get_hf_quantizer(config, None, None, True, {})
     with torch.device("meta"), contextlib.redirect_stderr(io.StringIO()):  # compressed-tensors' progress bars
-        model = transformers.AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+        model = model_class(config).from_config(config, trust_remote_code=trust_remote_code)
         if quantizer is not None:
             quantizer.preprocess_model(model=model, dtype=model.dtype, device_map=None, checkpoint_files=None,
                                        use_kernels=False)
@@ -74,6 +74,8 @@ def _load_keys(model, quantizer, names: set[str]) -> tuple[list[str], list[str]]
     renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
     loaded = {rename_source_key(n, renamings, converters, model.base_model_prefix, expected)[0] for n in names}
+    for key in loaded & expected.keys():  # marked as the loader marks what it loaded: initialization skips them
+        model.get_parameter_or_buffer(key)._is_hf_initialized = True
     tied = getattr(model, "all_tied_weights_keys", None) or {}
     info = types.SimpleNamespace(
         missing_keys={k for k in expected if k not in loaded and tied.get(k) not in loaded},

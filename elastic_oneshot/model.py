@@ -11,9 +11,10 @@ import torch
 import transformers
 from safetensors import SafetensorError, safe_open
 
+from . import moe
 from .errors import UsageError
 from .moe import fused_experts, make_quantizable
-from .stored_names import stored_names
+from .stored_names import fused_in_checkpoint, stored_names, teach_loader
 
 
 def _read_header(path: str) -> bytes:
@@ -38,6 +39,56 @@ def _read_header(path: str) -> bytes:
     if 8 + n + end != size:
         raise damaged
     return raw
+
+
+def teach_transformers(path: str):
+    """Before transformers loads, in a new process, a checkpoint written here whose experts it only knows fused
+    (GPT-OSS, GraniteMoE: stored_names.teach_loader); for other types nothing is needed."""
+    SourceModel(path)
+
+
+def default_ignores(skeleton: torch.nn.Module) -> list[str]:
+    """Linear modules kept in high precision whatever the recipe targets: those outside the language model's
+    decoder (a vision tower, a multimodal projector, lm_head), which calibration on text never reaches, and the
+    routers and gates of MoE blocks (moe.default_ignores)."""
+    inside = {id(m) for m in _decoder(skeleton).modules()}
+    outside = [n for n, m in skeleton.named_modules() if isinstance(m, torch.nn.Linear) and id(m) not in inside]
+    return outside + moe.default_ignores(skeleton)
+
+
+def _decoder(skeleton: torch.nn.Module) -> torch.nn.Module:
+    """The language model's decoder, through a causal LM nested in an image-text model (Llama 4's)."""
+    decoder = skeleton.get_decoder()
+    while not hasattr(decoder, "layers") and isinstance(getattr(decoder, "model", None), torch.nn.Module):
+        decoder = decoder.model  # a causal LM's body
+    return decoder
+
+
+def model_class(config) -> type:
+    """The Auto class that builds the whole model of `config`: an image-text model (its vision tower included)
+    where the config has a language model inside, a causal LM otherwise."""
+    if config.get_text_config() is not config:
+        return transformers.AutoModelForImageTextToText
+    return transformers.AutoModelForCausalLM
+
+
+def _build_buffers(skeleton: torch.nn.Module):
+    """Buffers the checkpoint does not carry (Gemma's embed_scale, Falcon-H1's mup_vector), built as transformers
+    builds them: by the model's own weight initialization, which may set a module's buffers from an ancestor
+    (Falcon-H1's model sets its mixers'); the parameters stay on the meta device. A buffer it leaves unset (still
+    NaN) goes back to meta, so that loading its layer is refused rather than run on garbage."""
+    stored = set(skeleton.state_dict())
+    built = []
+    for name, module in skeleton.named_modules():
+        for leaf, b in module.named_buffers(recurse=False):
+            if b.is_meta and b.is_floating_point() and f"{name}.{leaf}".lstrip(".") not in stored:
+                module._buffers[leaf] = torch.full_like(b, float("nan"), device="cpu")
+                built.append((module, leaf))
+    if built:
+        skeleton.initialize_weights()
+    for module, leaf in built:
+        if module._buffers[leaf].isnan().any():
+            module._buffers[leaf] = module._buffers[leaf].to("meta")
 
 
 def _tied_groups(module: torch.nn.Module) -> list[tuple[list[str], torch.Tensor]]:
@@ -70,7 +121,7 @@ class SourceModel:
         if isinstance(self.dtype, str):
             self.dtype = getattr(torch, self.dtype)
         self.skeleton = self._skeleton(trust_remote_code, attention)
-        self.decoder = self.skeleton.get_decoder()
+        self.decoder = _decoder(self.skeleton)
         self.layers = getattr(self.decoder, "layers", None)
         if not isinstance(self.layers, torch.nn.ModuleList):
             self._refuse(f"its decoder {type(self.decoder).__name__} has no stack of layers (.layers)")
@@ -84,12 +135,14 @@ class SourceModel:
         """The causal LM on the meta device, its fused experts split into Linear modules."""
         try:
             with torch.device("meta"):
-                skeleton = transformers.AutoModelForCausalLM.from_config(
+                skeleton = model_class(self.config).from_config(
                     self.config, dtype=self.dtype, attn_implementation=attention,
                     trust_remote_code=trust_remote_code)
         except (ValueError, KeyError, ImportError) as e:
             self._refuse(str(e).splitlines()[0] if str(e) else type(e).__name__)
         make_quantizable(skeleton)
+        _build_buffers(skeleton)
+        teach_loader(skeleton)
         return skeleton
 
     def _refuse(self, reason: str):
@@ -102,8 +155,8 @@ class SourceModel:
         return len(self.layers)
 
     @functools.cached_property
-    def weight_map(self) -> dict[str, str]:
-        """Tensor name -> shard file (read on first use, so a config alone can be planned)."""
+    def files(self) -> dict[str, str]:
+        """The checkpoint's tensor name -> shard file (read on first use, so a config alone can be planned)."""
         index = os.path.join(self.path, "model.safetensors.index.json")
         if os.path.isfile(index):
             with open(index) as f:
@@ -114,14 +167,37 @@ class SourceModel:
         return {name: os.path.join(self.path, f) for f in files
                 for name in json.loads(_read_header(os.path.join(self.path, f))) if name != "__metadata__"}
 
+    @functools.cached_property
+    def fused(self) -> dict[str, tuple[str, str, str]]:
+        """Per-expert tensor name -> (the checkpoint's fused tensor holding it, its experts container, the
+        container's parameter), for experts the checkpoint stores fused."""
+        out = {}
+        for stored, (container, param) in fused_in_checkpoint(self.skeleton, self.files).items():
+            for local in self.skeleton.get_submodule(container).unfused_names(param):
+                out[f"{container}.{local}"] = (stored, container, param)
+        return out
+
+    @functools.cached_property
+    def weight_map(self) -> dict[str, str]:
+        """Tensor name -> shard file: the checkpoint's, with experts stored fused listed one tensor per expert
+        (as the skeleton and the export hold them)."""
+        whole = {stored for stored, _, _ in self.fused.values()}
+        view = {n: f for n, f in self.files.items() if n not in whole}
+        view.update({n: self.files[stored] for n, (stored, _, _) in self.fused.items()})
+        return view
+
     def check_weights(self):
         """Before any work: every tensor that a layer or the export reads is in a readable shard, with the shape
         the config implies (tied weights need one of their names)."""
         shapes, where = {}, {}
-        for shard in sorted(set(self.weight_map.values())):
+        for shard in sorted(set(self.files.values())):
             for name, entry in json.loads(_read_header(shard)).items():
                 if name != "__metadata__":
                     shapes[name], where[name] = tuple(entry["shape"]), shard
+        for stored, container, param in set(self.fused.values()):
+            split = self.skeleton.get_submodule(container).unfused(param, torch.empty(shapes[stored], device="meta"))
+            shapes.update({f"{container}.{k}": tuple(v.shape) for k, v in split.items()})
+            where.update({f"{container}.{k}": where[stored] for k in split})
         for names, tensor in _tied_groups(self.skeleton):
             present = [n for n in names if self.stored_name(n) in shapes]
             if not present:
@@ -135,7 +211,7 @@ class SourceModel:
     @functools.cached_property
     def stored(self) -> dict[str, str]:
         """Skeleton tensor name -> the checkpoint's, where transformers' loader converts one into the other."""
-        return stored_names(self.skeleton, self.weight_map)
+        return stored_names(self.skeleton, self.files)
 
     def stored_name(self, name: str) -> str:
         """The checkpoint's name for a skeleton tensor, or for one that the export writes in place of a weight
@@ -151,7 +227,7 @@ class SourceModel:
         h = hashlib.sha256()
         with open(os.path.join(self.path, "config.json"), "rb") as f:
             h.update(f.read())
-        for shard in sorted(set(self.weight_map.values())):
+        for shard in sorted(set(self.files.values())):
             h.update(os.path.basename(shard).encode())
             h.update(str(os.path.getsize(shard)).encode())
             h.update(_read_header(shard))
@@ -164,13 +240,14 @@ class SourceModel:
         return {n: tensors[s] for n, s in stored.items()}
 
     def read_stored(self, names) -> dict[str, torch.Tensor]:
-        """Tensors by the checkpoint's names."""
+        """Tensors by the checkpoint's names (per expert for experts stored fused: see `weight_map`)."""
         missing = [n for n in names if n not in self.weight_map]
         if missing:
             raise UsageError(f"{self.path} lacks tensors {missing[:3]}: unsupported checkpoint layout")
+        whole = {self.fused[n][0]: self.fused[n][1:] for n in names if n in self.fused}
         by_file: dict[str, list[str]] = {}
-        for n in names:
-            by_file.setdefault(self.weight_map[n], []).append(n)
+        for n in [n for n in names if n not in self.fused] + sorted(whole):
+            by_file.setdefault(self.files[n], []).append(n)
         out = {}
         for path, group in by_file.items():
             try:
@@ -179,7 +256,10 @@ class SourceModel:
             except SafetensorError as e:  # changed since the start, where every header was checked
                 raise UsageError(f"model file {path} is truncated or damaged ({e}): restore it from the "
                                  "original model, then run again to resume") from None
-        return out
+        for stored, (container, param) in whole.items():
+            split = self.skeleton.get_submodule(container).unfused(param, out.pop(stored))
+            out.update({f"{container}.{k}": v for k, v in split.items()})
+        return {n: out[n] for n in names}
 
     def load(self, module: torch.nn.Module, prefix: str) -> torch.nn.Module:
         """A CPU copy of a meta submodule with its weights read from the checkpoint."""
@@ -188,27 +268,10 @@ class SourceModel:
         tensors = self.read([prefix + k for k in state])
         module.load_state_dict({k: tensors[prefix + k].to(v.dtype) for k, v in state.items()},
                                assign=True, strict=True)
-        for sub in module.modules():
-            self._build_buffers(sub)
         if any(b.is_meta for b in module.buffers()):
             raise UsageError(f"{type(module).__name__} has buffers not stored in the checkpoint: "
                              "unsupported architecture")
         return module.requires_grad_(False).eval()
-
-    def _build_buffers(self, module: torch.nn.Module):
-        """Buffers the checkpoint does not carry (Gemma's embed_scale), built as transformers builds them: by the
-        model's own weight initialization, run on a copy whose parameters stay on the meta device (untouched)."""
-        meta = [name for name, b in module.named_buffers(recurse=False) if b.is_meta]
-        if not meta:
-            return
-        probe = copy.copy(module)
-        probe._buffers = {n: torch.empty_like(b, device="cpu") if n in meta else b for n, b in module._buffers.items()}
-        probe._parameters = {n: torch.nn.Parameter(p.detach().to("meta"), p.requires_grad) if p is not None else None
-                             for n, p in module._parameters.items()}
-        with torch.no_grad():
-            self.skeleton._init_weights(probe)
-        for name in meta:
-            module._buffers[name] = probe._buffers[name]
 
     def load_layer(self, index: int) -> torch.nn.Module:
         return self.load(self.layers[index], f"{self.layer_prefix}{index}.")
@@ -228,6 +291,10 @@ class SourceModel:
     def linear_shapes(self, names) -> dict[str, tuple[int, int]]:
         modules = dict(self.skeleton.named_modules())
         return {n: tuple(modules[n].weight.shape) for n in names}
+
+
+def _meta(module: torch.nn.Module):
+    return (t.is_meta for t in list(module.parameters()) + list(module.buffers()))
 
 
 class _Catcher(torch.nn.Module):
@@ -254,12 +321,15 @@ class Embedder:
         self.record: list = []
         shell.layers = torch.nn.ModuleList(_Catcher(layer, self.record) for layer in decoder.layers)
         shell.norm = torch.nn.Identity()
-        shell.rotary_emb = type(decoder.rotary_emb)(config=source.config)
+        shell.rotary_emb = type(decoder.rotary_emb)(config=decoder.config)
         self._load = lambda: source.load(decoder.embed_tokens, f"{prefix}.embed_tokens.")
         shell.embed_tokens = self._load()
-        if any(t.is_meta for t in list(shell.parameters()) + list(shell.buffers())):
-            raise UsageError(f"{type(decoder).__name__} has modules besides embeddings, rotary "
-                             "embeddings, layers and norm: unsupported architecture")
+        for name, child in decoder.named_children():  # other modules (Phi's final_layernorm), as stored
+            if name not in ("layers", "embed_tokens") and any(_meta(child)):
+                setattr(shell, name, source.load(child, f"{prefix}.{name}."))
+        if any(_meta(shell)):
+            raise UsageError(f"{type(decoder).__name__} has parameters outside its modules: unsupported "
+                             "architecture")
         self.shell = shell.eval()
         self._kwargs: dict[int, list[dict]] = {}
 

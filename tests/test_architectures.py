@@ -1,10 +1,18 @@
 """Every decoder transformers builds from its config classes, without a whitelist: tiny random models of each type
 (2 layers, hidden 64; mixtures with 4 experts, 2 per token) are compressed, loaded in transformers with nothing
-missing or unexpected, generate, and stay within a stated logit error of the unquantized model; for mixtures every
-routed and shared expert is quantized. Types that are refused are refused at start, with the reason. The guard
-refuses a checkpoint that would load with missing tensors."""
+missing or unexpected, generate, and stay within a stated logit error of the unquantized model, with GPTQ (no
+round-to-nearest fallback) everywhere; for mixtures every routed and shared expert is quantized, and routers and
+shared-expert gates stay dense. Image-text models have their language model compressed and the rest copied. Types
+that are refused are refused at start, with the reason. The guard refuses a checkpoint that would load with
+missing tensors.
 
+What `model.default_ignores` names the recipe keeps dense without being told (no test passes `ignore`)."""
+
+import json
+import logging
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -15,21 +23,16 @@ import elastic_oneshot.export as export_module
 from elastic_oneshot import oneshot
 from elastic_oneshot.errors import UsageError
 from elastic_oneshot.loadable import load_keys
-from elastic_oneshot.model import SourceModel
-from elastic_oneshot.testing.tiny import make_tiny
+from elastic_oneshot.model import SourceModel, default_ignores
+from elastic_oneshot.testing.tiny import MULTIMODAL, make_tiny, make_tiny_multimodal
 
 DENSE = ["llama", "mistral", "ministral", "qwen2", "qwen3", "phi3", "olmo", "olmo2", "granite", "cohere", "starcoder2",
          "ernie4_5", "smollm3", "exaone4", "glm", "glm4", "helium", "seed_oss", "apertus", "arcee", "hunyuan_v1_dense",
-         "gemma", "gemma2", "gemma3_text"]
+         "gemma", "gemma2", "gemma3_text", "phi", "falcon_h1"]
 MOE = ["qwen3_moe", "qwen2_moe", "deepseek_v3", "glm4_moe", "qwen3_next", "olmoe", "dots1", "hunyuan_v1_moe",
-       "flex_olmo", "mixtral", "phimoe"]
-# PhiMoE's router is a Linear subclass that transformers cannot load quantized (the guard test below)
-IGNORE = {"phimoe": ("re:.*mlp.router$",)}
-REFUSED = {  # what is left of issue 17: refused at start, before any work
-    "phi": ("dense", "has modules besides embeddings"),  # its final_layernorm
-    "falcon_h1": ("dense", "has modules besides embeddings"),
-    "granitemoe": ("moe", "lacks tensor"),  # experts stored fused (input_linear), which its loader cannot unquantize
-    "gpt_oss": ("moe", "fused in a layout that cannot be split"),  # biases, interleaved gate/up, clamped gating
+       "flex_olmo", "mixtral", "phimoe", "gpt_oss", "granitemoe"]
+REFUSED = {  # refused at start, before any work, with the reason
+    "gpt2": ("dense", "has no stack of layers"),  # its blocks are `h`, of Conv1D projections
 }
 TOLERANCE = 0.6  # relative L2 error of the logits, 4-bit weights in groups of 32 on random weights
 ROWS: list[str] = []
@@ -41,10 +44,18 @@ def _codes(path: str) -> set[str]:
 
 
 @pytest.mark.parametrize("model_type, moe", [(t, False) for t in DENSE] + [(t, True) for t in MOE])
-def test_compressed_loads_generates_and_stays_close(model_type, moe, tmp_path):
+def test_compressed_loads_generates_and_stays_close(model_type, moe, tmp_path, caplog):
+    caplog.set_level(logging.INFO, "elastic_oneshot")
     model = make_tiny(str(tmp_path / model_type), model_type, moe=moe)
+    source = SourceModel(model)
+    dense = default_ignores(source.skeleton)
     out = oneshot(model=model, num_calibration_samples=8, max_seq_length=32, group_size=32, chunk_size=8,
-                  output_dir=str(tmp_path / "out"), ignore=IGNORE.get(model_type, ()))
+                  output_dir=str(tmp_path / "out"))
+    with open(os.path.join(out, "config.json")) as f:
+        assert set(dense) <= set(json.load(f)["quantization_config"]["ignore"])
+    # GPTQ everywhere: a round-to-nearest fallback means a layer calibrated on garbage (an unbuilt buffer)
+    assert any(r.getMessage().startswith("wrote") for r in caplog.records)
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     quantized, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     original = transformers.AutoModelForCausalLM.from_pretrained(model)
@@ -54,14 +65,13 @@ def test_compressed_loads_generates_and_stays_close(model_type, moe, tmp_path):
     err = (torch.linalg.norm(lq - lo) / torch.linalg.norm(lo)).item()
     assert quantized.generate(input_ids=ids[:1, :4], max_new_tokens=3, do_sample=False).shape == (1, 7)
     codes = _codes(out)
-    source = SourceModel(model)
     linears = [n for n, m in source.skeleton.named_modules() if isinstance(m, torch.nn.Linear)]
     routed = [n for n in linears if ".experts." in n]
     shared = [n for n in linears if ".shared_" in n and not n.endswith("_gate")]
     stored = {source.stored_name(f"{n}.weight").removesuffix(".weight") for n in routed + shared}
     assert stored <= codes and len(routed) == (2 * 4 * 3 if moe else 0)
     ROWS.append(f"{model_type:18} {'moe' if moe else 'dense':5} {len(codes):4} quantized  {len(routed):3} routed "
-                f"{len(shared):2} shared expert projections  logit error {err:.3f}")
+                f"{len(shared):2} shared expert projections {len(dense):2} kept dense  logit error {err:.3f}")
     assert 0 < err < TOLERANCE
 
 
@@ -74,6 +84,67 @@ def test_unsupported_is_refused_at_start(model_type, tmp_path):
                 output_dir=str(tmp_path / "out"))
     assert not os.path.exists(tmp_path / "out")
     ROWS.append(f"{model_type:18} {kind:5} refused: {str(e.value)[:90]}")
+
+
+@pytest.mark.parametrize("model_type, dense", [
+    ("phimoe", ["mlp.router"]), ("qwen2_moe", ["mlp.shared_expert_gate"]), ("hunyuan_v1_moe", ["mlp.gate.wg"]),
+    ("qwen3_next", ["mlp.shared_expert_gate"]), ("deepseek_v3", []), ("gpt_oss", []), ("granitemoe", [])])
+def test_routers_and_shared_expert_gates_stay_dense_by_default(model_type, dense, tmp_path):
+    """Linear routers (PhiMoE's, HunYuan's) and shared experts' scalar gates, as vLLM builds them: unquantized.
+    Routers that are not Linear modules (the others) are not quantized anyway."""
+    skeleton = SourceModel(make_tiny(str(tmp_path / model_type), model_type, moe=True)).skeleton
+    assert default_ignores(skeleton) == ["lm_head"] + [f"model.layers.{i}.{name}" for i in range(2) for name in dense]
+
+
+@pytest.mark.parametrize("model_type", sorted(MULTIMODAL))
+def test_multimodal_language_model_compressed_vision_copied(model_type, tmp_path, caplog):
+    """Qwen2.5-VL, Gemma 3 and Llama 4 (a mixture with a shared expert, experts stored fused) as image-text
+    models: the language model calibrated on text and compressed, every other tensor (the vision tower and the
+    projector included) copied byte for byte, loaded as the image-text model and generating."""
+    caplog.set_level(logging.INFO, "elastic_oneshot")
+    model = make_tiny_multimodal(str(tmp_path / model_type), model_type)
+    source = SourceModel(model)
+    dense = default_ignores(source.skeleton)
+    out = oneshot(model=model, num_calibration_samples=8, max_seq_length=32, group_size=32, chunk_size=8,
+                  output_dir=str(tmp_path / "out"))
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    quantized, info = transformers.AutoModelForImageTextToText.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    original = transformers.AutoModelForImageTextToText.from_pretrained(model)
+    ids = torch.randint(3, 300, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        lo, lq = original(input_ids=ids).logits, quantized(input_ids=ids).logits
+    err = (torch.linalg.norm(lq - lo) / torch.linalg.norm(lo)).item()
+    assert quantized.generate(input_ids=ids[:1, :4], max_new_tokens=3, do_sample=False).shape == (1, 7)
+    layers = [n for n, m in source.skeleton.named_modules() if isinstance(m, torch.nn.Linear)
+              and n.startswith(source.layer_prefix) and n not in dense]
+    codes = _codes(out)
+    assert codes == {source.stored_name(f"{n}.weight").removesuffix(".weight") for n in layers}
+    fused = {stored for stored, _, _ in source.fused.values()}
+    with safe_open(os.path.join(model, "model.safetensors"), "pt") as f, \
+            safe_open(os.path.join(out, "model.safetensors"), "pt") as g:
+        copied = [k for k in f.keys() if k not in fused and k.removesuffix(".weight") not in codes]
+        assert all(torch.equal(f.get_tensor(k), g.get_tensor(k)) for k in copied)
+    vision = [k for k in copied if "vision" in k or "visual" in k]
+    assert len(vision) > 10
+    ROWS.append(f"{model_type:18} image {len(codes):4} quantized, {len(vision)} vision tensors copied, "
+                f"{len(dense):2} kept dense  logit error {err:.3f}")
+    assert 0 < err < TOLERANCE
+
+
+def test_experts_written_per_expert_load_in_a_new_process_once_taught(tmp_path):
+    """transformers 5.17 has no converter from GPT-OSS's per-expert weights (the layout llmcompressor writes too)
+    to its fused experts: a new process loads the checkpoint after `teach_transformers`, not before."""
+    model = make_tiny(str(tmp_path / "gpt_oss"), "gpt_oss", moe=True)
+    out = oneshot(model=model, num_calibration_samples=8, max_seq_length=32, group_size=32,
+                  output_dir=str(tmp_path / "out"))
+    load = ("import sys, transformers; from elastic_oneshot.model import teach_transformers\n"
+            "if sys.argv[2] == 'taught': teach_transformers(sys.argv[1])\n"
+            "info = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1], output_loading_info=True)[1]\n"
+            "print('MISSING', len(info['missing_keys']), 'UNEXPECTED', len(info['unexpected_keys']))")
+    found = {how: subprocess.run([sys.executable, "-c", load, out, how], capture_output=True, text=True,
+                                 check=True).stdout.split("\n")[-2] for how in ("plain", "taught")}
+    assert found == {"plain": "MISSING 8 UNEXPECTED 96", "taught": "MISSING 0 UNEXPECTED 0"}
 
 
 def test_guard_names_what_would_be_missing(tmp_path, monkeypatch):
@@ -93,8 +164,10 @@ def test_guard_names_what_would_be_missing(tmp_path, monkeypatch):
     assert not os.path.exists(tmp_path / "out")
 
 
-def test_guard_refuses_a_model_transformers_cannot_initialize(tmp_path):
-    """PhiMoE's router, quantized: every key loads, but transformers' weight initialization needs its `weight`."""
+def test_guard_refuses_a_model_transformers_cannot_initialize(tmp_path, monkeypatch):
+    """PhiMoE's router, quantized (were it not kept dense by default): every key loads, but transformers' weight
+    initialization needs its `weight`."""
+    monkeypatch.setattr("elastic_oneshot.recipe.default_ignores", lambda model: [])
     model = make_tiny(str(tmp_path / "phimoe"), "phimoe", moe=True)
     with pytest.raises(UsageError, match=r"not usable \(transformers cannot initialize the model it describes: "
                                          r"'PhimoeTopKRouter' object has no attribute 'weight'\)"):
@@ -111,8 +184,8 @@ def test_load_keys_agrees_with_transformers(tmp_path):
     with safe_open(os.path.join(out, "model.safetensors"), "pt") as f:
         names = set(f.keys())
     assert load_keys(out, names) == ([], [])
-    gate = "model.layers.1.mlp.shared_expert_gate.weight_packed"
-    assert load_keys(out, (names - {gate}) | {"model.extra.weight"}) == ([gate], ["model.extra.weight"])
+    up = "model.layers.1.mlp.shared_expert.up_proj.weight_packed"
+    assert load_keys(out, (names - {up}) | {"model.extra.weight"}) == ([up], ["model.extra.weight"])
 
 
 def test_zz_print_table():

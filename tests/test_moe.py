@@ -18,7 +18,7 @@ from elastic_oneshot.data import heldout_samples
 from elastic_oneshot.model import SourceModel
 from elastic_oneshot.moe import Experts
 from elastic_oneshot.testing.peer import run_peer
-from elastic_oneshot.testing.tiny import make_moe
+from elastic_oneshot.testing.tiny import make_moe, make_tiny, make_tiny_multimodal
 
 SAMPLES, SEQ, GROUP = 16, 128, 32
 
@@ -39,6 +39,34 @@ def test_calibration_block_output_equals_original(tiny_moe, all_experts):
         expected, got = original(x), ours(x)
     print(f"\nall_experts={all_experts}: max |difference| {(expected - got).abs().max().item():.2e}")
     assert torch.allclose(expected, got, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("all_experts", [True, False])
+@pytest.mark.parametrize("model_type", ["gpt_oss", "granitemoe", "llama4"])
+def test_experts_stored_fused_reproduce_the_block_bitwise(model_type, all_experts, tmp_path):
+    """GPT-OSS stores its experts fused and transposed, gate and up interleaved, with biases, gated by a clamped
+    SwiGLU; GraniteMoE fused as (out, in); Llama 4 transposed, its container called with the tokens repeated
+    once per expert. Split per expert from the checkpoint, the block's output is the original's bit for bit
+    (GPT-OSS's clamp engaged)."""
+    if model_type == "llama4":
+        model = make_tiny_multimodal(str(tmp_path / model_type), model_type)
+        original = transformers.AutoModelForImageTextToText.from_pretrained(model).language_model.model
+    else:
+        model = make_tiny(str(tmp_path / model_type), model_type, moe=True)
+        original = transformers.AutoModelForCausalLM.from_pretrained(model).model
+    block = {"gpt_oss": "mlp", "granitemoe": "block_sparse_moe", "llama4": "feed_forward"}[model_type]
+    original = getattr(original.layers[0], block)
+    ours = getattr(SourceModel(model).load_layer(0), block)
+    assert isinstance(ours.experts, Experts) and len(ours.experts) == 4
+    ours.experts.all_experts = all_experts
+    x = torch.randn(3, 40, 64, generator=torch.Generator().manual_seed(0)) * 10
+    if model_type == "gpt_oss":
+        fused = x.reshape(-1, 64) @ original.experts.gate_up_proj[0] + original.experts.gate_up_proj_bias[0]
+        assert (fused.abs() > original.experts.limit).float().mean() > 0.1
+    with torch.no_grad():
+        expected, got = original(x), ours(x)
+    expected, got = (expected[0], got[0]) if isinstance(expected, tuple) else (expected, got)
+    assert torch.equal(expected, got)
 
 
 @pytest.fixture(scope="module")

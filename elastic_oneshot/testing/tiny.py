@@ -44,7 +44,8 @@ TINY_TYPE = {  # what a type needs besides: sizes it derives differently, or lay
     "glm4_moe": dict(partial_rotary_factor=0.5),
     # experts of intermediate_size: kept equal to the moe_intermediate_size that every mixture here is given, which
     # llmcompressor's linearization reads where present
-    **{t: dict(intermediate_size=32) for t in ("mixtral", "phimoe", "granitemoe")},
+    **{t: dict(intermediate_size=32) for t in ("mixtral", "phimoe", "granitemoe", "gpt_oss")},
+    "falcon_h1": dict(mamba_d_ssm=128, mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=32),
     "qwen3_next": dict(layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
                        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16),
 }
@@ -65,6 +66,46 @@ def make_tiny(path: str, model_type: str, moe: bool = False, seed: int = 0, atte
         for name, p in model.named_parameters():
             if p.dim() >= 2 and "embed" not in name:
                 p.normal_(0, 0.08 if attention or "o_proj" not in name else 0.0)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+# Multimodal types at the sweep's text size, with a one-layer vision tower of width 32; image token ids at the top of
+# the vocabulary.
+VISION = dict(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_hidden_layers=1, depth=1, num_heads=2)
+MULTIMODAL = {
+    "qwen2_5_vl": dict(vision=dict(out_hidden_size=64, fullatt_block_indexes=[0], window_size=28, patch_size=14),
+                       top=dict(image_token_id=509, video_token_id=508, vision_start_token_id=507),
+                       text=dict(rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3],
+                                                  "rope_theta": 10000.0})),
+    "gemma3": dict(vision=dict(image_size=32, patch_size=16, vision_use_head=False),
+                   top=dict(mm_tokens_per_image=4, image_token_index=509, boi_token_index=508, eoi_token_index=507),
+                   text={}),
+    "llama4": dict(vision=dict(image_size=28, patch_size=14, vision_output_dim=64, projector_input_dim=64,
+                               projector_output_dim=64, intermediate_size=64),
+                   top=dict(image_token_index=509, boi_token_index=508, eoi_token_index=507),
+                   text=dict(num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=1,
+                             intermediate_size=32, intermediate_size_mlp=128, moe_layers=[0, 1],
+                             attn_temperature_tuning=False, no_rope_layers=[1, 1], attention_chunk_size=64)),
+}
+
+
+def make_tiny_multimodal(path: str, model_type: str, seed: int = 0) -> str:
+    """Save a tiny random image-text model of `model_type` (a MULTIMODAL key) with the tokenizer."""
+    tokenizer = _shared_tokenizer()
+    sizes = MULTIMODAL[model_type]
+    ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+               pad_token_id=tokenizer.eos_token_id)
+    config = transformers.AutoConfig.for_model(
+        model_type, text_config={**TINY, "vocab_size": len(tokenizer), **ids, **sizes["text"]},
+        vision_config={**VISION, **sizes["vision"]}, **sizes["top"])
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2 and "embed" not in name:
+                p.normal_(0, 0.08)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
