@@ -34,7 +34,8 @@ BASELINE = "ab11bb4"  # the last revision that wrote every boundary inside the c
 WORKER = """
 import atexit, json, os, sys, threading, time
 sys.path.insert(0, sys.argv[1])
-from elastic_oneshot import cli, state
+from elastic_oneshot.surface import cli
+from elastic_oneshot.durability import state
 bandwidth, written, lock = float(os.environ["BENCH_BANDWIDTH"]), [0], threading.Lock()
 plain = state.StateStore.write_bytes
 def throttled(self, rel, data, *args, **kwargs):
@@ -71,7 +72,7 @@ def run(code: str, args: list[str], bandwidth: float, log: str, kill_after: int 
 
 
 def events(state: str) -> list[dict]:
-    from elastic_oneshot.state import StateStore
+    from elastic_oneshot.durability.state import StateStore
 
     return StateStore(state).events()
 
@@ -116,7 +117,7 @@ def design(name: str, code: str, extra: list[str], job: list[str], bandwidth: fl
 def object_store(job: list[str], work: str) -> dict:
     """The current default with its state on a local S3-compatible server (moto), and the MB/s one rank moves
     to and from it in a boundary-sized object (multipart up, parallel ranged reads down)."""
-    from elastic_oneshot.storage import ObjectStorage
+    from elastic_oneshot.durability.storage import ObjectStorage
     from elastic_oneshot.testing.s3_server import S3Server
 
     with S3Server() as s3:
@@ -137,7 +138,7 @@ def modeled(write_bps: float, sha_bps: float, xxh_bps: float, read_bps: float):
     """The issue's table from per-byte costs: the previous design pays, per layer, writing the boundary,
     sha256 at write and at read, and reading it back; the new one keeps it off the critical path as long as the
     link carries a boundary per auto interval (Young and Daly, an hour between failures)."""
-    from elastic_oneshot.boundaries import DEFAULT_MTBF_S, auto_interval
+    from elastic_oneshot.durability.boundaries import DEFAULT_MTBF_S, auto_interval
 
     print(f"\nmodeled (per byte, measured here: fsync'd write {write_bps / 1e6:.0f} MB/s, read {read_bps / 1e6:.0f} "
           f"MB/s, sha256 {sha_bps / 1e9:.2f} GB/s, xxh3-128 {xxh_bps / 1e9:.1f} GB/s), 512 x 2048 tokens, bf16:")
@@ -223,7 +224,7 @@ def main():
 
 
 def _job(a) -> list[str]:
-    from elastic_oneshot.default_model import default_model
+    from elastic_oneshot.models.default_model import default_model
 
     return ["--model", default_model(), "--num-samples", str(a.samples), "--seq-len", str(a.seq_len),
             "--group-size", "64"]

@@ -55,8 +55,8 @@ def timed(cmd: list[str], log: str) -> float:
 def gptq_batching(experts: int, hidden: int, inter: int, group: int):
     """One layer's expert GPTQ: the peer's way (every module alone) against ours (gate and up of all
     experts as one problem with one inverse; down projections batched)."""
-    from elastic_oneshot import gptq
-    from elastic_oneshot.recipe import Recipe
+    from elastic_oneshot.quantization import gptq
+    from elastic_oneshot.quantization.recipe import Recipe
 
     args = Recipe(group_size=group).weights
     x = torch.randn(4096, hidden)

@@ -16,9 +16,9 @@ import time
 
 import torch
 
-from elastic_oneshot import gptq
-from elastic_oneshot.plan import CostModel, Group, make_plan, peer_plan
-from elastic_oneshot.recipe import Recipe
+from elastic_oneshot.quantization import gptq
+from elastic_oneshot.quantization.plan import CostModel, Group, make_plan, peer_plan
+from elastic_oneshot.quantization.recipe import Recipe
 
 
 def check_cost_model(model: CostModel):
@@ -80,7 +80,7 @@ def modeled(model: CostModel):
 
 
 def measured_run(samples: int, seq_len: int, workdir: str):
-    from elastic_oneshot.default_model import default_model
+    from elastic_oneshot.models.default_model import default_model
 
     model = default_model()
     job = ["run", "--model", model, "--num-samples", str(samples), "--seq-len", str(seq_len), "--group-size", "64"]

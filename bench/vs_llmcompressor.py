@@ -34,9 +34,9 @@ def measure(cmd: list[str], log: str) -> tuple[float, float]:
 
 def layer_flops(model: str, samples: int, seq_len: int) -> dict[str, float]:
     """FLOPs per decoder layer by phase, from the model's shapes (attention counted as causal)."""
-    from elastic_oneshot import gptq
-    from elastic_oneshot.model import SourceModel
-    from elastic_oneshot.plan import input_groups
+    from elastic_oneshot.models.source import SourceModel
+    from elastic_oneshot.quantization import gptq
+    from elastic_oneshot.quantization.plan import input_groups
 
     source = SourceModel(model)
     c = source.config
@@ -74,9 +74,9 @@ def main():
         return run_peer(*a.peer_child, a.samples, a.seq_len, a.group_size,
                         scheme=None if a.scheme == "W4A16" else a.scheme)
 
-    from elastic_oneshot.default_model import default_model
-    from elastic_oneshot.evaluate import perplexity
-    from elastic_oneshot.state import StateStore
+    from elastic_oneshot.durability.state import StateStore
+    from elastic_oneshot.models.default_model import default_model
+    from elastic_oneshot.surface.evaluate import perplexity
 
     model = a.model or default_model()
     os.makedirs(a.workdir, exist_ok=True)

@@ -4,7 +4,7 @@ __version__ = "0.1.0"
 
 
 def oneshot(*args, **kwargs):
-    """See `elastic_oneshot.api.oneshot` (imported lazily: the command line starts fast)."""
-    from .api import oneshot as _oneshot
+    """See `elastic_oneshot.surface.api.oneshot` (imported lazily: the command line starts fast)."""
+    from elastic_oneshot.surface.api import oneshot as _oneshot
 
     return _oneshot(*args, **kwargs)

@@ -1,5 +1,5 @@
 import sys
 
-from .cli import main
+from elastic_oneshot.surface.cli import main
 
 sys.exit(main())

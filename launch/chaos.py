@@ -30,10 +30,10 @@ import time
 
 import psutil
 
+from elastic_oneshot.durability.records import open_records
+from elastic_oneshot.durability.state import StateStore, read_events
+from elastic_oneshot.durability.storage import is_url
 from elastic_oneshot.errors import CorruptStateError
-from elastic_oneshot.records import open_records
-from elastic_oneshot.state import StateStore, read_events
-from elastic_oneshot.storage import is_url
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 KINDS = ("kill_worker", "kill_node", "stop_node", "term_node", "add_node", "corrupt_file", "restart_etcd")
@@ -330,7 +330,7 @@ def compare(out: str, reference: str) -> dict:
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
     from safetensors.torch import load_file
 
-    from elastic_oneshot.evaluate import perplexity
+    from elastic_oneshot.surface.evaluate import perplexity
 
     if digest(out) == digest(reference):
         return {"bytes": True, "codes": 1.0, "ppl_ratio": 1.0}

@@ -6,7 +6,7 @@ shared-expert gates stay dense. Image-text models have their language model comp
 that are refused are refused at start, with the reason. The guard refuses a checkpoint that would load with
 missing tensors.
 
-What `model.default_ignores` names the recipe keeps dense without being told (no test passes `ignore`)."""
+What `source.default_ignores` names the recipe keeps dense without being told (no test passes `ignore`)."""
 
 import json
 import logging
@@ -19,11 +19,11 @@ import torch
 import transformers
 from safetensors import safe_open
 
-import elastic_oneshot.export as export_module
+import elastic_oneshot.surface.export as export_module
 from elastic_oneshot import oneshot
 from elastic_oneshot.errors import UsageError
-from elastic_oneshot.loadable import load_keys
-from elastic_oneshot.model import SourceModel, default_ignores
+from elastic_oneshot.models.loadable import load_keys
+from elastic_oneshot.models.source import SourceModel, default_ignores
 from elastic_oneshot.testing.tiny import MULTIMODAL, make_tiny, make_tiny_multimodal
 
 DENSE = ["llama", "mistral", "ministral", "qwen2", "qwen3", "phi3", "olmo", "olmo2", "granite", "cohere", "starcoder2",
@@ -138,7 +138,7 @@ def test_experts_written_per_expert_load_in_a_new_process_once_taught(tmp_path):
     model = make_tiny(str(tmp_path / "gpt_oss"), "gpt_oss", moe=True)
     out = oneshot(model=model, num_calibration_samples=8, max_seq_length=32, group_size=32,
                   output_dir=str(tmp_path / "out"))
-    load = ("import sys, transformers; from elastic_oneshot.model import teach_transformers\n"
+    load = ("import sys, transformers; from elastic_oneshot.models.source import teach_transformers\n"
             "if sys.argv[2] == 'taught': teach_transformers(sys.argv[1])\n"
             "info = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1], output_loading_info=True)[1]\n"
             "print('MISSING', len(info['missing_keys']), 'UNEXPECTED', len(info['unexpected_keys']))")
@@ -167,7 +167,7 @@ def test_guard_names_what_would_be_missing(tmp_path, monkeypatch):
 def test_guard_refuses_a_model_transformers_cannot_initialize(tmp_path, monkeypatch):
     """PhiMoE's router, quantized (were it not kept dense by default): every key loads, but transformers' weight
     initialization needs its `weight`."""
-    monkeypatch.setattr("elastic_oneshot.recipe.default_ignores", lambda model: [])
+    monkeypatch.setattr("elastic_oneshot.quantization.recipe.default_ignores", lambda model: [])
     model = make_tiny(str(tmp_path / "phimoe"), "phimoe", moe=True)
     with pytest.raises(UsageError, match=r"not usable \(transformers cannot initialize the model it describes: "
                                          r"'PhimoeTopKRouter' object has no attribute 'weight'\)"):

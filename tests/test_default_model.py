@@ -6,7 +6,7 @@ import os
 from safetensors import safe_open
 
 from elastic_oneshot import oneshot
-from elastic_oneshot.default_model import default_model
+from elastic_oneshot.models.default_model import default_model
 
 
 def test_default_model_converts_once_and_compresses(tmp_path, monkeypatch):

@@ -13,9 +13,9 @@ import pytest
 from conftest import one_thread_env, run_cli, torchrun_cmd, tree_digest
 from test_spine import int_codes
 
-from elastic_oneshot.evaluate import perplexity
-from elastic_oneshot.model import SourceModel
-from elastic_oneshot.plan import StepKind, layer_groups, make_plan
+from elastic_oneshot.models.source import SourceModel
+from elastic_oneshot.quantization.plan import StepKind, layer_groups, make_plan
+from elastic_oneshot.surface.evaluate import perplexity
 from elastic_oneshot.testing.tiny import make_model
 
 JOB = ["--num-samples", 32, "--seq-len", 128, "--group-size", 64, "--chunk-size", 4]

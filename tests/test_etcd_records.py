@@ -15,8 +15,8 @@ from conftest import one_thread_env, run_cli, tree_digest
 from test_spine import int_codes
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
+from elastic_oneshot.durability.etcd_records import EtcdRecords, parse_url, redact
 from elastic_oneshot.errors import StaleEpochError, UsageError
-from elastic_oneshot.etcd_records import EtcdRecords, parse_url, redact
 from elastic_oneshot.testing.etcd_server import EtcdServer, make_tls
 from elastic_oneshot.testing.tiny import make_model
 
@@ -109,7 +109,7 @@ def test_two_processes_race_to_begin_the_same_epoch(etcd):
     assert b.current_epoch() == 1 and b.epochs() == [1]
 
     # The same between real processes, many times: every epoch is begun exactly once, by one of them.
-    code = ("from elastic_oneshot.etcd_records import EtcdRecords\n"
+    code = ("from elastic_oneshot.durability.etcd_records import EtcdRecords\n"
             "from elastic_oneshot.errors import StaleEpochError\n"
             f"r = EtcdRecords.from_url('etcd://{etcd.endpoint}/t/race')\n"
             "won = []\n"

@@ -7,11 +7,11 @@ import types
 import pytest
 import torch
 
-from elastic_oneshot import cholesky, gptq
-from elastic_oneshot.dist import World
-from elastic_oneshot.executor import Executor
-from elastic_oneshot.plan import CostModel, Group, Plan, StepKind, _schedule, make_plan
-from elastic_oneshot.recipe import Recipe
+from elastic_oneshot.distributed.world import World
+from elastic_oneshot.quantization import cholesky, gptq
+from elastic_oneshot.quantization.executor import Executor
+from elastic_oneshot.quantization.plan import CostModel, Group, Plan, StepKind, _schedule, make_plan
+from elastic_oneshot.quantization.recipe import Recipe
 
 RECIPE = Recipe(group_size=32)
 SAMPLES = 4

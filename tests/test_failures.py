@@ -16,9 +16,9 @@ import pytest
 import torch
 from conftest import one_thread_env, run_cli, torchrun_cmd, tree_digest
 
+from elastic_oneshot.durability.state import StateStore
 from elastic_oneshot.errors import UsageError
-from elastic_oneshot.model import SourceModel
-from elastic_oneshot.state import StateStore
+from elastic_oneshot.models.source import SourceModel
 from elastic_oneshot.testing.tiny import make_model
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -136,7 +136,7 @@ def test_lost_tokens_are_drawn_again_and_committed_layers_kept(tiny_llama, refer
 
 
 def test_tokens_that_the_dataset_no_longer_yields_are_refused(tiny_llama, tmp_path):
-    from elastic_oneshot.data import builtin_texts
+    from elastic_oneshot.loop.data import builtin_texts
 
     dataset = tmp_path / "texts.txt"
     texts = [t.replace("\n", " ") for t, _ in zip(builtin_texts(), range(400))]

@@ -4,7 +4,7 @@ import pytest
 import torch
 from compressed_tensors.quantization import QuantizationArgs
 
-from elastic_oneshot import cholesky, gptq
+from elastic_oneshot.quantization import cholesky, gptq
 
 
 def problem(rows=48, cols=256, dead=(3, 77), seed=0):

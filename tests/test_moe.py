@@ -14,9 +14,9 @@ from test_distributed import workers
 from test_spine import int_codes
 
 from elastic_oneshot import oneshot
-from elastic_oneshot.data import heldout_samples
-from elastic_oneshot.model import SourceModel
-from elastic_oneshot.moe import Experts
+from elastic_oneshot.loop.data import heldout_samples
+from elastic_oneshot.models.moe import Experts
+from elastic_oneshot.models.source import SourceModel
 from elastic_oneshot.testing.peer import run_peer
 from elastic_oneshot.testing.tiny import make_moe, make_tiny, make_tiny_multimodal
 

@@ -15,10 +15,10 @@ import pytest
 from conftest import run_cli, tree_digest
 
 from elastic_oneshot import oneshot
+from elastic_oneshot.durability.records import FileRecords
+from elastic_oneshot.durability.state import StateStore
+from elastic_oneshot.durability.storage import ObjectStorage, is_transient, is_url
 from elastic_oneshot.errors import StaleEpochError, StorageError, UsageError
-from elastic_oneshot.records import FileRecords
-from elastic_oneshot.state import StateStore
-from elastic_oneshot.storage import ObjectStorage, is_transient, is_url
 from elastic_oneshot.testing.s3_server import S3Server
 from elastic_oneshot.testing.tiny import make_model
 
@@ -364,9 +364,9 @@ def test_export_to_the_server_all_or_nothing(s3, llama4, reference, tmp_path, mo
     prefix holding what this job did not write is refused and left as it was."""
     import transformers
 
-    from elastic_oneshot.destination import PENDING, export_to
-    from elastic_oneshot.export import MARKER
-    from elastic_oneshot.records import open_records
+    from elastic_oneshot.durability.destination import PENDING, export_to
+    from elastic_oneshot.durability.records import open_records
+    from elastic_oneshot.surface.export import MARKER
 
     state_url, out_url = f"s3://{BUCKET}/export.state", f"s3://{BUCKET}/export"
     oneshot(model=llama4, output_dir=out_url, state_dir=state_url, **JOB)

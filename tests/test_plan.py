@@ -2,8 +2,8 @@
 
 import pytest
 
-from elastic_oneshot.cholesky import cholesky_panels, inverse_pieces
-from elastic_oneshot.plan import Group, StepKind, make_plan, peer_plan
+from elastic_oneshot.quantization.cholesky import cholesky_panels, inverse_pieces
+from elastic_oneshot.quantization.plan import Group, StepKind, make_plan, peer_plan
 
 LLAMA_3_8B = [Group((("q_proj", 4096), ("k_proj", 1024), ("v_proj", 1024)), 4096), Group((("o_proj", 4096),), 4096),
               Group((("gate_proj", 14336), ("up_proj", 14336)), 4096), Group((("down_proj", 4096),), 14336)]

@@ -4,9 +4,9 @@ import inspect
 
 import pytest
 
-from elastic_oneshot.etcd_records import EtcdRecords
-from elastic_oneshot.records import FileRecords, Records, open_records
-from elastic_oneshot.state import StateStore
+from elastic_oneshot.durability.etcd_records import EtcdRecords
+from elastic_oneshot.durability.records import FileRecords, Records, open_records
+from elastic_oneshot.durability.state import StateStore
 
 
 @pytest.mark.parametrize("backend", [FileRecords, EtcdRecords])

@@ -23,7 +23,7 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousState
 
-from elastic_oneshot.rendezvous.etcd_v3 import KEY_ROOT, create_backend
+from elastic_oneshot.distributed.etcd_rendezvous import KEY_ROOT, create_backend
 from elastic_oneshot.testing.etcd_server import EtcdServer, make_tls
 
 # Short rendezvous timings: a node is declared dead 3 s after its last heartbeat.

@@ -13,8 +13,8 @@ from conftest import tree_digest
 from safetensors.torch import load_file
 from test_distributed import run_world
 
-from elastic_oneshot.data import heldout_samples
-from elastic_oneshot.evaluate import perplexity
+from elastic_oneshot.loop.data import heldout_samples
+from elastic_oneshot.surface.evaluate import perplexity
 from elastic_oneshot.testing.peer import run_peer
 from elastic_oneshot.testing.tiny import make_model
 

@@ -9,13 +9,13 @@ import torch
 import transformers
 from compressed_tensors.quantization import preset_name_to_scheme
 
-from elastic_oneshot import gptq
-from elastic_oneshot.cli import SCHEMES
 from elastic_oneshot.errors import UsageError
-from elastic_oneshot.packing import compress_module, decompress_module, input_tensors
-from elastic_oneshot.recipe import PRESETS as ALL_PRESETS
-from elastic_oneshot.recipe import Recipe
-from elastic_oneshot.recipe_loader import load_recipe
+from elastic_oneshot.quantization import gptq
+from elastic_oneshot.quantization.packing import compress_module, decompress_module, input_tensors
+from elastic_oneshot.quantization.recipe import PRESETS as ALL_PRESETS
+from elastic_oneshot.quantization.recipe import Recipe
+from elastic_oneshot.quantization.recipe_loader import load_recipe
+from elastic_oneshot.surface.cli import SCHEMES
 
 # One preset per weight strategy and number type (W4A16_ASYM: zero points).
 PRESETS = ["W4A16", "W4A16_ASYM", "W8A8", "FP8", "FP8_DYNAMIC", "FP8_BLOCK", "NVFP4", "MXFP4", "MXFP8"]

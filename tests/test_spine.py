@@ -10,9 +10,10 @@ from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_in
 from compressed_tensors.quantization import fake_quantize
 from safetensors.torch import load_file
 
-from elastic_oneshot import gptq, oneshot
-from elastic_oneshot.data import heldout_samples
-from elastic_oneshot.recipe import Recipe
+from elastic_oneshot import oneshot
+from elastic_oneshot.loop.data import heldout_samples
+from elastic_oneshot.quantization import gptq
+from elastic_oneshot.quantization.recipe import Recipe
 from elastic_oneshot.testing.peer import run_peer
 from elastic_oneshot.testing.tiny import make_model
 

@@ -4,7 +4,7 @@ peer that bench/ times. llmcompressor is a test extra, so it is imported only wh
 import torch
 import transformers
 
-from ..data import calibration_samples
+from elastic_oneshot.loop.data import calibration_samples
 
 
 def run_peer(model_dir: str, out: str, samples: int, seq_len: int, group_size: int = 128, moe: bool = False,

@@ -9,7 +9,7 @@ import torch
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from ..data import builtin_texts
+from elastic_oneshot.loop.data import builtin_texts
 
 CONFIGS = {
     "llama": lambda v: transformers.LlamaConfig(

@@ -1,0 +1,1 @@
+"""Distributed plumbing: the process group, etcd client and rendezvous, signals."""

@@ -1,0 +1,133 @@
+"""The distributed plumbing: process group from torchrun's environment, and the few collectives we use.
+
+Without torchrun (no WORLD_SIZE), everything degenerates to one process and no collective is issued.
+"""
+
+import datetime
+import logging
+import os
+import re
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from elastic_oneshot.errors import UsageError
+
+log = logging.getLogger("elastic_oneshot")
+
+
+_RANK_LOST = re.compile(r"(?:\[[^\]]*\] )?(.*?(?:Connection reset by peer|Connection closed by peer|Broken pipe))")
+
+
+def rank_lost(error: BaseException) -> str | None:
+    """gloo's words, if `error` says that another rank vanished (killed, or its node lost) mid-collective."""
+    found = _RANK_LOST.search(str(error)) if isinstance(error, RuntimeError) else None
+    return found.group(1) if found else None
+
+
+class World:
+    def __init__(self, timeout_s: float = 120.0):
+        self.size = int(os.environ.get("WORLD_SIZE", "1"))
+        self.on_lost = None  # called with the reason before a liveness failure ends the process
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.device = torch.device("cpu")
+        if torch.cuda.is_available():
+            self.device = torch.device("cuda", self.local_rank)
+            torch.cuda.set_device(self.device)
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            log.warning("torchrun shares its rendezvous store with the workers: restarted workers may fail "
+                        "to connect (torch 2.13); launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (see launch/)")
+        if self.size > 1 and not dist.is_initialized():
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo",
+                                    timeout=datetime.timedelta(seconds=timeout_s), device_id=(
+                                        self.device if self.device.type == "cuda" else None))
+            self._stop = threading.Event()
+            threading.Thread(target=self._liveness, args=(timeout_s,), name="liveness", daemon=True).start()
+
+    def _liveness(self, bound_s: float):
+        """Heartbeats through the process group's store. A rank that sees another rank silent for `bound_s`
+        (frozen, or cut off), or cannot reach the store, leaves: its agent restarts the workers and the
+        new rendezvous goes on without the silent node. Commits are atomic, so leaving is always safe."""
+        store = dist.distributed_c10d._get_default_store()
+        interval = max(0.5, bound_s / 10)
+        seen = {r: (-1, time.monotonic()) for r in range(self.size) if r != self.rank}
+        try:
+            while not self._stop.is_set():
+                store.add(f"elastic_oneshot/alive/{self.rank}", 1)
+                now = time.monotonic()
+                for other, (count, since) in seen.items():
+                    current = store.add(f"elastic_oneshot/alive/{other}", 0)
+                    if current != count:
+                        seen[other] = (current, now)
+                    elif now - since > bound_s:
+                        raise TimeoutError(f"rank {other} silent for {now - since:.0f} s")
+                self._stop.wait(interval)
+        except Exception as e:  # the store itself may be the silent rank's
+            if self._stop.is_set():
+                return
+            log.error("liveness: %s; leaving so that the job can go on without it", e)
+            try:
+                if self.on_lost:
+                    self.on_lost(str(e))
+            finally:
+                os._exit(1)
+
+    @property
+    def distributed(self) -> bool:
+        return self.size > 1
+
+    def barrier(self):
+        if self.distributed:
+            dist.barrier()
+
+    def gather_objects(self, obj) -> list:
+        """Every rank's `obj` on every rank (small JSON-like values only)."""
+        if not self.distributed:
+            return [obj]
+        out = [None] * self.size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def agree(self, what: str, value):
+        """Fail fast, on every rank, if ranks disagree on `value` (e.g. the job's fingerprint)."""
+        values = self.gather_objects(value)
+        if any(v != values[0] for v in values):
+            bad = [r for r, v in enumerate(values) if v != values[0]]
+            raise UsageError(f"ranks disagree on {what}: rank 0 has {values[0]!r}, ranks {bad} differ; "
+                             "start every rank with the same arguments")
+
+    def broadcast_object(self, obj, src: int = 0):
+        if not self.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    def reduce_to(self, tensor: torch.Tensor, dst: int):
+        """Async sum of `tensor` onto rank `dst`."""
+        return dist.reduce(self._dev(tensor), dst=dst, op=dist.ReduceOp.SUM, async_op=True) \
+            if self.distributed else None
+
+    def all_reduce(self, tensor: torch.Tensor):
+        """Async sum of `tensor` onto every rank (bitwise the same everywhere)."""
+        return dist.all_reduce(self._dev(tensor), op=dist.ReduceOp.SUM, async_op=True) if self.distributed else None
+
+    def broadcast(self, tensor: torch.Tensor, src: int):
+        return dist.broadcast(self._dev(tensor), src=src, async_op=True) if self.distributed else None
+
+    def _dev(self, tensor):
+        if self.device.type == "cuda" and tensor.device != self.device:
+            raise ValueError("collective tensors must live on the rank's device")
+        if not tensor.is_contiguous():  # gloo would send the raw storage in another order
+            raise ValueError("collective tensors must be contiguous")
+        return tensor
+
+    def close(self):
+        """Leave together: nobody is mistaken for a silent rank while the others finish."""
+        if self.distributed and dist.is_initialized():
+            dist.barrier()
+            self._stop.set()
+            dist.destroy_process_group()

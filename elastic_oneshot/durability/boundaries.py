@@ -1,0 +1,144 @@
+"""Activation boundaries: which layers' inputs also go to storage, written behind the computation.
+
+Activations stay in each rank's host memory from one layer to the next. A layer's commit carries its
+weights and the data cursor and never waits for a boundary: boundaries are written by the I/O thread
+while the next layers compute, at most one in flight per rank (a new one waits for it: bounded memory,
+no queue), and a boundary is durable only once a commit records every chunk of it. A restart reads the
+newest durable boundary and replays the committed layers after it (forward passes only).
+
+How often (`--boundary-every`): every N layers; 0, never (a restart replays from the embeddings); or
+auto: Young and Daly's interval sqrt(2 C M) for a write taking C seconds and a mean time between
+failures M, in layers, at most 1 + (a layer's compute / its propagation), so that a replay costs at
+most one layer's compute; a boundary due while a write is still in flight anywhere is skipped.
+"""
+
+import math
+import time
+from concurrent.futures import Executor, Future
+
+import torch
+
+from elastic_oneshot.durability.state import StateStore
+from elastic_oneshot.errors import UsageError
+
+DEFAULT_MTBF_S = 3600.0
+
+
+def parse_every(text: str | int) -> int | None:
+    """`--boundary-every`: N >= 0 layers, or None for auto."""
+    if str(text) == "auto":
+        return None
+    try:
+        every = int(text)
+    except ValueError:
+        every = -1
+    if every < 0:
+        raise UsageError(f"--boundary-every {text}: expected auto, 0 (never) or a number of layers")
+    return every
+
+
+def auto_interval(write_s: float, layer_s: float, propagate_s: float, mtbf_s: float) -> int:
+    """Young and Daly's optimal interval in layers, bounded so that a replay costs at most one layer."""
+    young = math.sqrt(2 * write_s * mtbf_s) / max(layer_s, 1e-9)
+    bound = 1 + int(layer_s / max(propagate_s, 1e-9))
+    return max(1, min(round(young), bound))
+
+
+def mtbf_from(events: list[dict], now: float) -> float:
+    """The job's own mean time between failures: its time since the first start over the restarts since
+    (each start after the first is one); DEFAULT_MTBF_S before any restart."""
+    starts = [e["time"] for e in events if e.get("event") == "start"]
+    if not starts or now <= starts[0]:
+        return DEFAULT_MTBF_S
+    return (now - starts[0]) / len(starts)
+
+
+def path(layer: int, epoch: int, chunk: int) -> str:
+    return f"boundaries/{layer:05d}/e{epoch:05d}/chunk-{chunk:05d}.safetensors"
+
+
+class Boundaries:
+    """This rank's side of the job's boundaries: its writes, when the next one is due, and which are
+    durable. Every decision is taken from what all ranks gathered at the last commit (`settle`), so every
+    rank takes the same one. `every`: N layers, 0 never, None auto."""
+
+    def __init__(self, state: StateStore, io: Executor, every: int | None, num_layers: int, num_chunks: int):
+        self.state, self.io, self.every = state, io, every
+        self.num_layers, self.num_chunks = num_layers, num_chunks
+        self._flight: tuple[int, Future] | None = None
+        self._write_s: float | None = None  # this rank's last finished write (all its chunks)
+        self.restart([], DEFAULT_MTBF_S)
+
+    def restart(self, durable: list[int], mtbf_s: float):
+        """A new epoch: `durable` are the boundary layers its commits record, `mtbf_s` the expected time
+        between failures."""
+        self.durable, self.mtbf_s = sorted(durable), mtbf_s
+        self.last = self.durable[-1] if self.durable else 0  # the newest boundary written or durable
+        self._pending: dict[int, dict] = {}  # chunk records of boundaries not yet complete
+        self._gathered: list[dict] | None = None
+
+    def due(self, layer: int) -> bool:
+        """Whether every rank writes its chunks' inputs of `layer` now."""
+        if layer >= self.num_layers or self.every == 0:
+            return False
+        if self.every is not None:
+            return layer % self.every == 0
+        if self._gathered is None:
+            return True  # nothing measured yet in this epoch: write one, and learn what it costs
+        if any(g["busy"] for g in self._gathered):
+            return False  # skip rather than queue behind a write in flight
+        write_s = max(g["write_s"] or 0.0 for g in self._gathered)
+        layer_s = max(sum(v for k, v in g["seconds"].items() if k != "commit") for g in self._gathered)
+        propagate_s = max(g["seconds"].get("propagate", 0.0) for g in self._gathered)
+        return layer - self.last >= auto_interval(write_s, layer_s, propagate_s, self.mtbf_s)
+
+    def submit(self, layer: int, epoch: int, chunks: dict[int, torch.Tensor]):
+        """Write `chunks` (this rank's inputs of `layer`, host tensors never changed afterwards) behind the
+        computation, once the write in flight (if any) has finished: one in flight, bounded memory."""
+        if self._flight is not None:
+            self._flight[1].result()
+        self._flight = (layer, self.io.submit(self._write, layer, epoch, chunks))
+        self.last = layer
+
+    def _write(self, layer: int, epoch: int, chunks: dict[int, torch.Tensor]) -> dict:
+        start = time.perf_counter()
+        records = {str(c): self.state.write_tensors(path(layer, epoch, c), {"hidden_states": x})
+                   for c, x in sorted(chunks.items())}
+        self._write_s = time.perf_counter() - start
+        return records
+
+    def report(self, seconds: dict) -> dict:
+        """This rank's part of a commit: its finished write, if any (a failed one raises: the state is not
+        writable), whether one is still in flight, and what its layer and last write took."""
+        written = {}
+        if self._flight is not None and self._flight[1].done():
+            layer, future = self._flight
+            self._flight = None
+            written = {layer: future.result()}
+        return {"written": written, "busy": self._flight is not None, "write_s": self._write_s, "seconds": seconds}
+
+    def settle(self, reports: list[dict]) -> dict | None:
+        """Every rank's reports at a commit: the boundary that became durable with it, {"layer", "chunks"},
+        or None."""
+        self._gathered = reports
+        for r in reports:
+            for layer, records in r["written"].items():
+                self._pending.setdefault(layer, {}).update(records)
+        complete = [layer for layer, records in self._pending.items() if len(records) == self.num_chunks]
+        if not complete:
+            return None
+        layer = max(complete)
+        chunks = dict(sorted(self._pending[layer].items()))
+        self._pending = {k: v for k, v in self._pending.items() if k > layer}
+        self.durable.append(layer)
+        return {"layer": layer, "chunks": chunks}
+
+    def prunable(self) -> int:
+        """Boundaries below this layer are no longer needed: the two newest durable ones are kept, so that
+        a damaged one can be replayed around."""
+        return self.durable[-2] if len(self.durable) > 1 else 0
+
+    def drain(self):
+        """Wait for the write in flight, if any, so that no thread outlives the job."""
+        if self._flight is not None:
+            self._flight[1].exception()

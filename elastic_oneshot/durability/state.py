@@ -1,0 +1,254 @@
+"""The state directory: atomic, checksummed files, written by every rank and read back verified.
+
+Layout (docs/state-format.md is the specification):
+    job.json                          what is being compressed, and its fingerprint
+    tokens.safetensors                the calibration samples, [num_samples, seq_len] int64
+    epochs/EEEEE.json                 fence of epoch E: the commits valid when its workers started
+    commits/LLLLL.eEEEEE.json         layer L's manifest from epoch E: written last; it is the commit
+    layers/LLLLL/eEEEEE.rR.bBBBB.{safetensors,json}  solved groups of layer L (tensors, and the record
+                                      naming them), written by rank R of epoch E as soon as solved
+    layers/LLLLL/fence.eEEEEE.json    which older solved records epoch E reuses for layer L
+    boundaries/LLLLL/eEEEEE/chunk-CCCCC.safetensors  inputs of layer L for sample chunk C (boundaries.py)
+    events.jsonl                      history for people and `status` (never trusted for progress)
+    events/TTTTT.R.json               the same history on an object store, one event per object
+
+The state lives in a storage (storage.py): a local directory, or an object store when --state is a URL, where
+each file is an object written whole, and exclusive writes are conditional puts (If-None-Match: *).
+On a local directory, every file is written to a temporary name, fsynced, renamed, and its directory fsynced. Files are
+listed with size and xxh3-128 digest in the record that refers to them (a fast non-cryptographic hash:
+it guards against torn and damaged files, not against an adversary, at memory speed), computed while
+writing and verified when read back: a torn or altered file is reported, never used. JSON records also
+carry a sha256 of their body. Only safetensors and JSON are ever read back.
+
+Fencing: every (re)start of the workers begins a new epoch by creating the next fence file, which
+cannot exist twice (link(2) fails on an existing name). A commit is created the same way, only while
+its epoch is the newest, under a name holding its epoch, and the files it names live under paths
+holding its epoch: a stale worker can neither overwrite nor delete what a newer epoch wrote. A commit
+that slips in after a newer fence was taken is not in that fence, and so is not valid.
+
+The fences and commits are the records (records.py): these files by default (records.FileRecords), or keys in
+etcd (etcd_records.EtcdRecords), and then epochs/ and commits/ stay empty. StateStore knows nothing of them:
+whoever needs the records opens them (records.open_records) and passes what they say.
+"""
+
+import hashlib
+import json
+
+import torch
+import xxhash
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from elastic_oneshot.durability.storage import DEBRIS, RETRY_S, open_storage
+from elastic_oneshot.errors import CorruptStateError, UsageError
+
+FORMAT = 2  # 2: boundaries behind the commits, xxh3-128 file digests
+
+
+def digest(data: bytes) -> str:
+    """The digest of a file's bytes, as its record keeps it."""
+    return xxhash.xxh3_128_hexdigest(data)
+
+
+def _canonical(obj) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+
+
+def read_events(root: str) -> list[dict]:
+    """The history of the state at `root` (a directory or a URL), skipping an event torn by a kill."""
+    return open_storage(root).events()
+
+
+class StateStore:
+    def __init__(self, root: str, retry_s: float = RETRY_S):
+        """The state at `root`, a directory or a URL; an object store's requests are retried for `retry_s` s."""
+        self.storage = open_storage(root, retry_s)
+        self.root = self.storage.root
+
+    def path(self, rel: str) -> str:
+        return self.storage.where(rel)
+
+    def names(self, folder: str) -> list[str]:
+        """Names in `folder` of the state (files and folders); [] if none."""
+        return self.storage.names(folder)
+
+    # -- files --------------------------------------------------------------------------------
+    def write_bytes(self, rel: str, data: bytes, exclusive: bool = False) -> dict:
+        """Durably write `data` at `rel`; return its record {path, size, xxh3_128}. With `exclusive`, fail
+        with FileExistsError if `rel` exists (atomically: link(2), or a conditional put). A storage that
+        refuses (full, read-only, unreachable) raises StorageError, and nothing is left at `rel`."""
+        self.storage.put(rel, data, exclusive)
+        return {"path": rel, "size": len(data), "xxh3_128": digest(data)}
+
+    def read_bytes(self, record: dict) -> bytes:
+        data = self.storage.get(record["path"], record["size"])
+        if data is None:
+            raise CorruptStateError(f"{record['path']} is missing")
+        if len(data) != record["size"]:
+            raise CorruptStateError(f"{record['path']} has {len(data)} bytes, expected {record['size']}")
+        if digest(data) != record["xxh3_128"]:
+            raise CorruptStateError(f"{record['path']} does not match its checksum")
+        return data
+
+    def write_tensors(self, rel: str, tensors: dict[str, torch.Tensor]) -> dict:
+        return self.write_bytes(rel, st_save({k: v.contiguous() for k, v in tensors.items()}))
+
+    def read_tensors(self, record: dict) -> dict[str, torch.Tensor]:
+        return st_load(self.read_bytes(record))
+
+    def write_json(self, rel: str, body: dict, exclusive: bool = False):
+        """A JSON record that carries its own checksum, so a truncated or edited one is detected."""
+        self.write_bytes(rel, json.dumps({"body": body, "sha256": hashlib.sha256(_canonical(body)).hexdigest()},
+                                         indent=1, sort_keys=True).encode(), exclusive)
+
+    def read_json(self, rel: str) -> dict | None:
+        """The record's body; None if absent; CorruptStateError if unreadable or altered."""
+        raw = self.storage.get(rel)
+        if raw is None:
+            return None
+        try:
+            doc = json.loads(raw)
+            body = doc["body"]
+            ok = hashlib.sha256(_canonical(body)).hexdigest() == doc["sha256"]
+        except (ValueError, KeyError, TypeError):
+            raise CorruptStateError(f"{rel} is not a readable record (truncated?)") from None
+        if not ok:
+            raise CorruptStateError(f"{rel} does not match its checksum")
+        return body
+
+    # -- the job --------------------------------------------------------------------------------
+    def holds(self, job: dict) -> bool:
+        """Whether this directory already belongs to `job` (a dict with a 'fingerprint')."""
+        try:
+            current = self.read_json("job.json")
+        except CorruptStateError:
+            return False
+        return current is not None and current.get("fingerprint") == job["fingerprint"]
+
+    def claim(self, job: dict, tokens: torch.Tensor, restart: bool = False):
+        """Start `job` here with its calibration samples. A directory holding another job (or anything
+        else) is refused unless `restart`, which clears our files first."""
+        try:
+            current = self.read_json("job.json")
+        except CorruptStateError as e:
+            if not restart:
+                raise UsageError(f"state directory {self.root}: {e}; use --restart to start over") from None
+            current = None
+        if current is not None and not restart:
+            raise self._taken(current, job)
+        if current is None and not restart and self._foreign():
+            raise UsageError(f"state directory {self.root} is not empty and holds no elastic-oneshot "
+                             "job: choose an empty or new directory")
+        self.clear()
+        record = self.write_tensors("tokens.safetensors", {"input_ids": tokens})
+        try:
+            self.write_json("job.json", {**job, "tokens": record}, exclusive=True)
+        except FileExistsError:  # another process claimed the directory since it was read above
+            raise self._taken(self.read_json("job.json") or {}, job) from None
+
+    def _taken(self, current: dict, job: dict) -> UsageError:
+        """Why `job` cannot start in this directory, which holds `current` (job.json's body)."""
+        if current.get("fingerprint") == job["fingerprint"]:  # it was not there when this process looked
+            return UsageError(f"another process is starting the same job in {self.root}: let it run, "
+                              "and run again to resume once it has stopped")
+        diff = [k for k in ("model", "dataset", "recipe", "samples")
+                if _canonical(current.get("identity", {}).get(k)) != _canonical(job["identity"][k])]
+        return UsageError(f"state directory {self.root} belongs to another job (different "
+                          f"{', '.join(diff) or 'format or code'}): use another --state, or --restart to discard it")
+
+    def _foreign(self) -> list[str]:
+        """Entries of a directory without job.json that a first claim, interrupted, did not leave."""
+        names = self.names("")
+        return [n for n in names if n != "tokens.safetensors" and not DEBRIS.fullmatch(n)]
+
+    def tokens(self) -> torch.Tensor:
+        """The job's calibration samples, as fixed when it started."""
+        return self.read_tensors(self.job()["tokens"])["input_ids"]
+
+    def restore_tokens(self, tokens: torch.Tensor):
+        """Write the calibration samples again, if they are byte for byte those that job.json records."""
+        data = st_save({"input_ids": tokens.contiguous()})
+        record = self.job()["tokens"]
+        if len(data) != record["size"] or digest(data) != record["xxh3_128"]:
+            raise UsageError(f"{record['path']} in {self.root} is lost or damaged, and the dataset now yields other "
+                             "samples: restore the dataset, or use --restart to start over")
+        self.write_bytes(record["path"], data)
+
+    def job(self) -> dict:
+        job = self.read_json("job.json")
+        if job is None:
+            raise UsageError(f"{self.root} holds no elastic-oneshot state (no job.json)")
+        return job
+
+    def clear(self):
+        for name in ("commits", "layers", "boundaries", "epochs", "job.json", "tokens.safetensors",
+                     "events.jsonl", "events"):
+            self.storage.remove(name)
+        self.storage.make_root()
+        self.remove_debris()
+
+    def remove_debris(self):
+        """Delete what interrupted writes left (storage.LocalStorage.remove_debris). Rank 0 calls this at start,
+        before work."""
+        self.storage.remove_debris()
+
+    def append_event(self, event: dict):
+        """One event of the history (events.jsonl, or its own object): for people and tools, not part of any
+        commit."""
+        self.storage.append_event(event)
+
+    def events(self) -> list[dict]:
+        return self.storage.events()
+
+    # -- layers -------------------------------------------------------------------------------------
+    def verify(self, manifest: dict | None, layer: int, epoch: int) -> dict:
+        """`manifest`, the records' commit of `layer` in `epoch`, if it exists and its weight files check out
+        (CorruptStateError otherwise)."""
+        if manifest is None:
+            raise CorruptStateError(f"the commit of layer {layer} in epoch {epoch} is missing")
+        for record in manifest["weights"]:
+            self.read_bytes(record)
+        return manifest
+
+    def write_solved(self, layer: int, epoch: int, name: str, groups: list[str], tensors: dict) -> dict:
+        """Persist solved groups of a layer before the layer commits (sub-layer progress)."""
+        stem = f"layers/{layer:05d}/e{epoch:05d}.{name}"
+        record = self.write_tensors(f"{stem}.safetensors", tensors)
+        self.write_json(f"{stem}.json", {"groups": groups, "file": record})
+        return record
+
+    def fence_solved(self, layer: int, epoch: int) -> list[dict]:
+        """Rank 0, when `epoch` starts work on `layer`: the intact solved-group records it may reuse.
+        Records of older epochs count only if taken into this epoch's fence for the layer, which the first
+        call writes, so that a stale worker's late writes are never picked up."""
+        folder, fence = f"layers/{layer:05d}", f"layers/{layer:05d}/fence.e{epoch:05d}.json"
+        try:
+            listed = self.read_json(fence)
+        except CorruptStateError:
+            listed = None
+        names = sorted(n for n in self.names(folder) if n.endswith(".json") and n.startswith("e"))
+        out, older = [], []
+        for name in names:
+            own = name.startswith(f"e{epoch:05d}.")
+            if not own and listed is not None and name not in listed["records"]:
+                continue
+            try:
+                body = self.read_json(f"{folder}/{name}")
+                self.read_bytes(body["file"])
+            except (CorruptStateError, KeyError, TypeError):
+                continue
+            out.append(body)
+            older += [] if own else [name]
+        if listed is None:
+            self.write_json(fence, {"records": older})
+        return out
+
+    def prune_boundaries(self, below: int, epoch: int, current_epoch: int):
+        """Delete boundaries of layers below `below`, unless `epoch` is stale (`current_epoch`, the records'
+        newest, has moved on). Committed records may still name them: a reader that misses one recomputes it."""
+        if current_epoch != epoch:
+            return
+        for name in self.names("boundaries"):
+            if name.isdigit() and int(name) < below:
+                self.storage.remove(f"boundaries/{name}", best_effort=True)
+

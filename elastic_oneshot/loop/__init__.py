@@ -1,0 +1,1 @@
+"""The layer loop: a layer's inputs, calibration, data, the job."""

@@ -1,0 +1,80 @@
+"""The calibration pass's hooks: one Hessian per input group, accumulated while the layer runs, and the
+running min and max of the input of groups whose input activations are static (the peer's static_minmax
+observer, on the raw inputs: the peer calibrates with quantization disabled).
+
+Within a chunk the Hessian is summed in fp32, as the peer sums; across chunks in fp64 (see
+gptq.hessian_add), so the total hardly depends on how chunks are split across ranks. Min and max are exact,
+so their reduction across ranks (executor.py) does not depend on the split at all.
+"""
+
+import math
+import time
+
+import torch
+
+from elastic_oneshot.quantization import gptq
+from elastic_oneshot.quantization.recipe import static_inputs
+
+
+class _Stop(Exception):
+    """Raised by the last hooked module: the calibration pass needs no layer output."""
+
+
+class Calibration:
+    """Forward pre-hooks on a layer's quantized modules; `run` feeds one sample, `end_chunk` folds the
+    chunk's fp32 partial sums into the fp64 totals. `schemes`: group leader -> its QuantizationScheme; the
+    input range of groups with static input activations is kept (`ranges`: leader -> [min, max], input dtype)."""
+
+    def __init__(self, layer: torch.nn.Module, groups: list[list[str]], device, seq_len: int, schemes: dict):
+        modules = dict(layer.named_modules())
+        self.ranges = {g: torch.tensor([math.inf, -math.inf], dtype=modules[g].weight.dtype, device=device)
+                       for g, scheme in schemes.items() if static_inputs(scheme)}
+        self.hessian = {g[0]: torch.zeros(modules[g[0]].in_features, modules[g[0]].in_features,
+                                          dtype=torch.float64, device=device) for g in groups}
+        self.chunk = {g: torch.zeros_like(h, dtype=torch.float32) for g, h in self.hessian.items()}
+        self.seconds, self.seq_len = 0.0, seq_len
+        self.order: list[str] = []
+        self.last = None
+        self._inputs: dict = {}
+        self._handles = [modules[name].register_forward_pre_hook(self._hook(name, g[0]))
+                         for g in groups for name in g]
+
+    def _hook(self, name, leader):
+        def hook(module, args):
+            x = args[0]
+            if leader not in self._inputs:
+                t = time.perf_counter()
+                gptq.hessian_add(self.chunk[leader], x, self.seq_len)
+                self.seconds += time.perf_counter() - t
+                self._inputs[leader] = x
+                if leader in self.ranges:
+                    r = self.ranges[leader]
+                    self.ranges[leader] = torch.stack([torch.minimum(r[0], x.amin()), torch.maximum(r[1], x.amax())])
+            elif self._inputs.get(leader) is not x:
+                raise RuntimeError(f"{name} was expected to share its input with {leader}")
+            if self.last is None:
+                self.order.append(name)
+            elif self.last and name == self.last:
+                raise _Stop
+        return hook
+
+    def run(self, layer, x, kwargs):
+        try:
+            layer(x, **kwargs)
+        except _Stop:
+            pass
+        finally:
+            self._inputs.clear()
+        if self.last is None and self.order:
+            # Stop early from now on only if every hooked module ran (routed experts may not).
+            self.last = self.order[-1] if len(set(self.order)) == len(self._handles) else False
+
+    def end_chunk(self):
+        for leader, partial in self.chunk.items():
+            self.hessian[leader] += gptq.symmetric(partial)
+            partial.zero_()
+
+    def remove(self):
+        for h in self._handles:
+            h.remove()
+        self.chunk.clear()

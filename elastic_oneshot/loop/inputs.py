@@ -1,0 +1,119 @@
+"""A layer's inputs on this rank: its sample chunks' hidden states, and the keyword arguments every
+decoder layer takes (position embeddings, mask).
+
+The chunks' hidden states stay in host memory from one layer to the next (`keep`); storage is read only
+when they are not there: after a restart, a repartition, or a redo. Then they come from the newest
+durable boundary (boundaries.py) that reads back intact, else from the embeddings, replayed forward
+through the committed quantized layers.
+"""
+
+import functools
+import logging
+from collections.abc import Callable
+
+import torch
+
+from elastic_oneshot.distributed import signals
+from elastic_oneshot.durability.state import StateStore
+from elastic_oneshot.errors import CorruptStateError
+from elastic_oneshot.models.source import Embedder, SourceModel
+from elastic_oneshot.quantization.packing import unpack_into
+
+log = logging.getLogger("elastic_oneshot")
+
+
+def to_device(obj, device):
+    """Tensors in `obj` (nested tuples, lists, dicts) moved to `device`."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(to_device(o, device) for o in obj)
+    if isinstance(obj, dict):
+        return {k: to_device(v, device) for k, v in obj.items()}
+    return obj
+
+
+class LayerInputs:
+    """Inputs of any layer for this rank's chunks. `manifest(layer)` is the layer's commit; `quantized`
+    lists each layer's quantized modules (names local to the layer); `chunks` are every chunk's sample
+    bounds, `own` the ids of this rank's; `durable(layer)` lists the durable boundaries at or below `layer`,
+    newest first, as (boundary layer, {chunk: file record})."""
+
+    def __init__(self, state: StateStore, source: SourceModel, seq_len: int, scheme,
+                 quantized: list[list[str]], chunks: list[tuple[int, int]], own: list[int], device,
+                 manifest: Callable[[int], dict], durable: Callable[[int], list[tuple[int, dict]]]):
+        self.state, self.source, self.seq_len, self.scheme = state, source, seq_len, scheme
+        self.quantized, self.chunks, self.own, self.device = quantized, chunks, own, device
+        self.manifest, self.durable = manifest, durable
+        self.embedder = Embedder(source)
+        self._kwargs: dict = {}
+        self._held_layer: int | None = None
+        self._held: dict[int, torch.Tensor] = {}
+
+    @functools.cached_property
+    def tokens(self) -> torch.Tensor:
+        """The job's calibration samples, read from the claimed state when layer 0 (or a replay) needs them."""
+        return self.state.tokens()
+
+    def kwargs(self, layer: int) -> dict:
+        """What the layer takes besides hidden states, for one sample."""
+        if layer not in self._kwargs:
+            self._kwargs[layer] = to_device(self.embedder.layer_kwargs(layer, 1, self.seq_len), self.device)
+        return self._kwargs[layer]
+
+    def forward(self, module, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """The layer on a chunk, one sample at a time, as the peer runs it: cache-friendly on CPU (a
+        batch's attention scores outgrow the cache) and the same bits in every pass and replay."""
+        outputs = [module(sample, **self.kwargs(layer)) for sample in x.split(1)]
+        return torch.cat([y[0] if isinstance(y, tuple) else y for y in outputs])
+
+    def each(self, layer: int):
+        """This rank's chunks with their inputs to `layer`, on the device."""
+        if self._held_layer != layer:
+            self._restore(layer)
+        for chunk in self.own:
+            signals.check(f"in layer {layer}")
+            yield chunk, self._held[chunk].to(self.device, non_blocking=True)
+
+    def keep(self, layer: int, inputs: dict[int, torch.Tensor]):
+        """This rank's chunks' inputs to `layer` (host tensors, see `to_host`), for the next `each(layer)`."""
+        self._held_layer, self._held = layer, inputs
+
+    def to_host(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` in host memory: pinned when it comes from a GPU, so that it goes back at full speed."""
+        if x.device.type == "cpu":
+            return x
+        return torch.empty(x.shape, dtype=x.dtype, pin_memory=True).copy_(x)
+
+    def quantized_layer(self, layer: int) -> torch.nn.Module:
+        """A committed layer with its quantized weights, on the device."""
+        module = self.source.load_layer(layer).to(self.device)
+        tensors = {}
+        for record in self.manifest(layer)["weights"]:
+            tensors.update(to_device(self.state.read_tensors(record), self.device))
+        self.unpack(module, layer, tensors)
+        return module
+
+    def unpack(self, module: torch.nn.Module, layer: int, tensors: dict):
+        """Put the layer's committed quantized weights (compressed `tensors`) into `module`."""
+        unpack_into(module, f"{self.source.layer_prefix}{layer}.", self.quantized[layer], tensors, self.scheme)
+
+    def _restore(self, layer: int):
+        """Inputs to `layer` from storage: the newest durable boundary at or below it that reads back intact,
+        else the embeddings, then forward through the committed layers in between."""
+        start, held = 0, None
+        for boundary, records in self.durable(layer):
+            try:
+                held = {c: self.state.read_tensors(records[str(c)])["hidden_states"] for c in self.own}
+                start = boundary
+                break
+            except CorruptStateError as e:
+                log.warning("boundary %d: %s; replaying from an older one", boundary, e)
+        if held is None:
+            held = {c: self.embedder(self.tokens[slice(*self.chunks[c])]) for c in self.own}
+        if start < layer:
+            log.info("replaying layers %d..%d for %d chunks", start, layer - 1, len(self.own))
+        for index in range(start, layer):
+            module = self.quantized_layer(index)
+            held = {c: self.to_host(self.forward(module, index, x.to(self.device))) for c, x in held.items()}
+        self.keep(layer, held)

@@ -1,0 +1,249 @@
+"""The layer loop: the only module that sequences the others.
+
+Every (re)start of the workers begins an epoch that fences off older workers. Then, for each
+uncommitted layer: onload it from the checkpoint, calibrate (Hessians over this rank's chunks),
+solve (GPTQ by the weight-parallel plan), propagate (the next layer's inputs, with the quantized
+weights, kept in memory for the next layer), commit (rank 0 records the layer's weight files once every
+rank's are durable, and the newest boundary whose every chunk is: boundaries are written behind).
+"""
+
+import contextlib
+import logging
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from elastic_oneshot.distributed import signals
+from elastic_oneshot.distributed.world import World
+from elastic_oneshot.durability.boundaries import Boundaries, mtbf_from
+from elastic_oneshot.durability.records import Records
+from elastic_oneshot.durability.state import StateStore
+from elastic_oneshot.errors import CorruptStateError, StaleEpochError
+from elastic_oneshot.loop.calibration import Calibration
+from elastic_oneshot.loop.data import chunk_bounds, partition
+from elastic_oneshot.loop.inputs import LayerInputs, to_device
+from elastic_oneshot.loop.job import Job
+from elastic_oneshot.models.moe import experts_mode
+from elastic_oneshot.models.source import SourceModel
+from elastic_oneshot.quantization.executor import Executor
+from elastic_oneshot.quantization.packing import LayerPacking
+from elastic_oneshot.quantization.plan import Group, layer_groups, make_plan
+from elastic_oneshot.surface.progress import LayerBar
+
+log = logging.getLogger("elastic_oneshot")
+
+
+def _io_thread() -> ThreadPoolExecutor:
+    """A thread that only moves bytes, with one OpenMP thread (a second libgomp team throttles the main thread's
+    spin-waits); computing stays on the main thread, so its bits never depend on the thread."""
+    return ThreadPoolExecutor(max_workers=1, initializer=torch.set_num_threads, initargs=(1,))
+
+
+@contextlib.contextmanager
+def _timed(seconds: dict, phase: str):
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        seconds[phase] = seconds.get(phase, 0.0) + time.perf_counter() - start
+
+
+class Runner:
+    """One rank's part of the job. `quantized` lists each layer's quantized modules (names local to the
+    layer); `boundary_every` and `mtbf_s` (None: the job's own, from its events) set how often boundaries
+    are written (boundaries.py)."""
+
+    def __init__(self, job: Job, state: StateStore, records: Records, source: SourceModel, world: World,
+                 quantized: list[list[str]], boundary_every: int | None = None, mtbf_s: float | None = None):
+        self.job, self.state, self.records, self.source, self.world = job, state, records, source, world
+        self.rank, self.device = world.rank, world.device
+        self.epoch, self.committed = 0, {}  # set by begin_epoch(): this epoch, and layer -> epoch of its commit
+        self.schemes = job.recipe.module_schemes(source.skeleton)  # full module name -> QuantizationScheme
+        self.chunks = chunk_bounds(job.num_samples, job.chunk_size)
+        self.layer_modules = quantized
+        self.io = _io_thread()  # solved groups; boundaries have their own, so a commit never queues behind one
+        own = list(partition(len(self.chunks), world.size, self.rank))
+        self.inputs = LayerInputs(state, source, job.seq_len, self.schemes, quantized, self.chunks, own,
+                                  self.device, self.manifest, self.durable)
+        self.boundaries = Boundaries(state, _io_thread(), boundary_every, source.num_layers, len(self.chunks))
+        self.mtbf_s = mtbf_s
+
+    # -- epochs ---------------------------------------------------------------------------------------
+    def verified(self) -> dict[int, int]:
+        """Rank 0: the committed layers (layer -> epoch) whose records and weight files check out."""
+        valid = {}
+        for layer, epoch in sorted(self.records.committed().items()):
+            try:
+                self.state.verify(self.records.manifest(layer, epoch), layer, epoch)
+                valid[layer] = epoch
+            except CorruptStateError as e:
+                log.warning("layer %d will be redone: %s", layer, e)
+        return valid
+
+    def begin_epoch(self):
+        """Fence a new epoch on what verifies now; every rank learns the epoch and the committed layers."""
+        start = None
+        if self.rank == 0:
+            valid = self.verified()
+            try:
+                mtbf = self.mtbf_s or mtbf_from(self.state.events(), time.time())
+                start = {"epoch": self.records.begin_epoch(valid), "committed": valid, "mtbf": mtbf}
+            except StaleEpochError as e:
+                start = {"error": str(e)}
+        start = self.world.broadcast_object(start)
+        if "error" in start:
+            raise StaleEpochError(start["error"])
+        self.epoch, self.committed = start["epoch"], start["committed"]
+        self.boundaries.restart([b for b, _ in self.durable(self.source.num_layers)], start["mtbf"])
+        if self.rank == 0:
+            todo = [layer for layer in range(self.source.num_layers) if layer not in self.committed]
+            self.state.append_event({"event": "start", "time": time.time(), "epoch": self.epoch,
+                                     "world_size": self.world.size, "committed": len(self.committed),
+                                     "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))})
+            log.info("epoch %d, world size %d: %d of %d layers committed; next is layer %s", self.epoch,
+                     self.world.size, len(self.committed), self.source.num_layers, todo[0] if todo else "none")
+
+    def run(self):
+        """Process every uncommitted layer; then check everything once more (a file can be damaged after
+        its commit) and, if something fails, redo it in a new epoch."""
+        self.begin_epoch()
+        self.progress = LayerBar(self.source.num_layers, len(self.committed), show=self.rank == 0)
+        with torch.inference_mode():
+            while True:
+                for layer in range(self.source.num_layers):
+                    if layer not in self.committed:
+                        signals.check(f"before layer {layer}")
+                        self.process(layer)
+                intact = self.world.broadcast_object(self.verified() == self.committed if self.rank == 0 else None)
+                if intact:
+                    self.boundaries.drain()
+                    return
+                self.begin_epoch()
+
+    def manifest(self, layer: int) -> dict:
+        """The commit of a layer committed in this epoch's view."""
+        return self.records.manifest(layer, self.committed[layer])
+
+    def durable(self, layer: int) -> list[tuple[int, dict]]:
+        """The boundaries at or below `layer` that this epoch's commits record as durable, newest first, as
+        (boundary layer, {chunk: file record})."""
+        found = {}
+        for committed in sorted(self.committed):
+            entry = self.manifest(committed).get("boundary")
+            if entry and entry["layer"] <= layer:
+                found[entry["layer"]] = entry["chunks"]
+        return sorted(found.items(), reverse=True)
+
+    # -- one layer ------------------------------------------------------------------------------------
+    def process(self, layer: int):
+        """One layer: calibrate, solve, propagate, commit."""
+        t0, seconds = time.perf_counter(), {}
+        if self.rank == 0:
+            self.state.append_event({"event": "layer", "layer": layer, "time": time.time(), "epoch": self.epoch})
+        with _timed(seconds, "load"):
+            module = self.source.load_layer(layer).to(self.device)
+            tensors, groups = self.reuse_solved(layer, module)
+        calib = self.calibrate(layer, module, groups, seconds)
+        with _timed(seconds, "gptq"):
+            self._writes = []  # this rank's writes of solved groups in this attempt
+            solved, notes = self.solve(module, layer, calib, groups)
+            tensors.update(solved)
+        with _timed(seconds, "propagate"):
+            self.propagate(layer, module, tensors)
+        with _timed(seconds, "commit"):
+            self.commit(layer, notes, seconds)
+        if self.rank == 0:
+            self.state.append_event({"event": "commit", "layer": layer, "time": time.time(), "epoch": self.epoch,
+                                     "world_size": self.world.size, "seconds": seconds})
+        log.info("layer %d/%d committed in %.1f s (%s)", layer + 1, self.source.num_layers,
+                 time.perf_counter() - t0, ", ".join(f"{k} {v:.2f}" for k, v in seconds.items()))
+        self.progress.update(len(self.committed))
+
+    def reuse_solved(self, layer: int, module) -> tuple[dict, list[Group]]:
+        """Sub-layer progress: the compressed tensors of the groups an earlier attempt solved, and the
+        groups still to solve."""
+        groups = layer_groups(module, self.layer_modules[layer], self.job.moe_calibrate == "all")
+        records = self.world.broadcast_object(self.state.fence_solved(layer, self.epoch) if self.rank == 0 else None)
+        tensors = {}
+        for r in records:
+            tensors.update(to_device(self.state.read_tensors(r["file"]), self.device))
+        done = {name for r in records for name in r["groups"]}
+        if done and self.rank == 0:
+            log.info("layer %d: %d of %d groups were solved before this restart; solving the other %d", layer,
+                     len(done), len(groups), len(groups) - len(done))
+        return tensors, [g for g in groups if g.name not in done]
+
+    def calibrate(self, layer: int, module, groups: list[Group], seconds: dict) -> Calibration:
+        """Hessians of `groups` over this rank's chunks, and static inputs' ranges (not yet reduced across ranks)."""
+        start, prefix = time.perf_counter(), f"{self.source.layer_prefix}{layer}."
+        calib = Calibration(module, [[n for n, _ in g.modules] for g in groups], self.device, self.job.seq_len,
+                            {g.name: self.schemes[prefix + g.name] for g in groups})
+        with experts_mode(module, self.job.moe_calibrate == "all"):
+            for _, x in self.inputs.each(layer):
+                for sample in x.split(1):
+                    calib.run(module, sample, self.inputs.kwargs(layer))
+                calib.end_chunk()
+        calib.remove()
+        seconds["hessian"] = calib.seconds
+        seconds["calibrate"] = time.perf_counter() - start - calib.seconds
+        return calib
+
+    def propagate(self, layer: int, module, tensors: dict):
+        """The next layer's inputs for this rank's chunks, through the quantized layer: kept in memory, and
+        handed to the I/O thread when a boundary is due."""
+        self.inputs.unpack(module, layer, tensors)
+        if layer == self.source.num_layers - 1:
+            return
+        outputs = {c: self.inputs.to_host(self.inputs.forward(module, layer, x)) for c, x in self.inputs.each(layer)}
+        self.inputs.keep(layer + 1, outputs)
+        if self.boundaries.due(layer + 1):
+            self.boundaries.submit(layer + 1, self.epoch, outputs)
+
+    def solve(self, layer_module, layer: int, calib: Calibration, groups: list[Group]) -> tuple[dict, dict]:
+        """GPTQ `groups` across ranks by the plan (executor.py). Sub-layer progress: this rank's owned groups
+        go to disk as soon as they are solved (written by the I/O thread; the commit waits for them).
+        Returns the compressed tensors of these groups and this rank's notes."""
+        modules, tensors, written = dict(layer_module.named_modules()), {}, set()
+        packing = LayerPacking(self.schemes, f"{self.source.layer_prefix}{layer}.", modules, self.layer_modules[layer],
+                               calib.ranges)
+
+        def persist(solved: list):
+            packed = {k: v for g, weight in solved for k, v in packing.pack(g, weight).items()}
+            written.update(g.name for g, _ in solved)
+            tensors.update(packed)
+            self._writes.append(self.io.submit(self.state.write_solved, layer, self.epoch,
+                                               f"r{self.rank}.b{len(self._writes):04d}", [g.name for g, _ in solved],
+                                               {k: v.cpu() for k, v in packed.items()}))
+
+        executor = Executor(self.world, make_plan(groups, self.world.size), groups, packing.weights, self.job.recipe,
+                            layer, persist, packing.args, packing.qparams)
+        results = executor.run(calib.hessian, self.job.num_samples, calib.ranges)
+        for g in groups:
+            if g.name not in written:
+                tensors.update(packing.pack(g, results[g.name]))
+        return tensors, {name: {"damping": d} for g, d in executor.damping.items() for name, _ in g.modules}
+
+    def commit(self, layer: int, notes: dict, seconds: dict):
+        """Once every rank's weight files are durable, rank 0 commits the layer, with the newest boundary that
+        became durable since the last commit; then the layer counts as done."""
+        for f in self._writes:
+            f.result()
+        everyone = self.world.gather_objects({"notes": notes, **self.boundaries.report(seconds)})
+        boundary = self.boundaries.settle(everyone)
+        if self.rank == 0:
+            self.records.commit(layer, self.epoch, {
+                "layer": layer, "epoch": self.epoch, "world_size": self.world.size,
+                "weights": [r["file"] for r in self.state.fence_solved(layer, self.epoch)],
+                "boundary": boundary,
+                "modules": {n: v for m in everyone for n, v in sorted(m["notes"].items())},
+                "seconds": seconds,
+            })
+        self.world.barrier()
+        self.committed[layer] = self.epoch
+        if layer == 0:
+            self.inputs.embedder.release()
+        if self.rank == 0 and boundary:
+            self.state.prune_boundaries(below=self.boundaries.prunable(), epoch=self.epoch,
+                                        current_epoch=self.records.current_epoch())

@@ -1,0 +1,1 @@
+"""Model families: the source checkpoint, MoE experts, stored names, what transformers loads."""

@@ -1,0 +1,363 @@
+"""The source model, never materialized: a meta skeleton plus tensors read from safetensors on demand."""
+
+import copy
+import functools
+import hashlib
+import json
+import os
+import struct
+
+import torch
+import transformers
+from safetensors import SafetensorError, safe_open
+
+from elastic_oneshot.errors import UsageError
+from elastic_oneshot.models import moe
+from elastic_oneshot.models.moe import fused_experts, make_quantizable
+from elastic_oneshot.models.stored_names import fused_in_checkpoint, stored_names, teach_loader
+
+
+def _read_header(path: str) -> bytes:
+    """A safetensors file's JSON header, checked against the file's size, so that a truncated or damaged
+    shard is reported by name before any work rather than when its tensors are first read."""
+    damaged = UsageError(f"model file {path} is truncated or damaged (not a readable safetensors file): "
+                         "restore it from the original model")
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(8)
+            n = struct.unpack("<Q", head)[0] if len(head) == 8 else size
+            raw = f.read(n) if n <= size - 8 else b""
+    except OSError as e:
+        raise UsageError(f"cannot read model file {path} ({e.strerror}): check that it exists and is "
+                         "readable") from None
+    try:
+        entries = [v for k, v in json.loads(raw).items() if k != "__metadata__"]
+        end = max((v["data_offsets"][1] for v in entries), default=0)
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+        raise damaged from None
+    if 8 + n + end != size:
+        raise damaged
+    return raw
+
+
+def teach_transformers(path: str):
+    """Before transformers loads, in a new process, a checkpoint written here whose experts it only knows fused
+    (GPT-OSS, GraniteMoE: stored_names.teach_loader); for other types nothing is needed."""
+    SourceModel(path)
+
+
+def default_ignores(skeleton: torch.nn.Module) -> list[str]:
+    """Linear modules kept in high precision whatever the recipe targets: those outside the language model's
+    decoder (a vision tower, a multimodal projector, lm_head), which calibration on text never reaches, and the
+    routers and gates of MoE blocks (moe.default_ignores)."""
+    inside = {id(m) for m in _decoder(skeleton).modules()}
+    outside = [n for n, m in skeleton.named_modules() if isinstance(m, torch.nn.Linear) and id(m) not in inside]
+    return outside + moe.default_ignores(skeleton)
+
+
+def _decoder(skeleton: torch.nn.Module) -> torch.nn.Module:
+    """The language model's decoder, through a causal LM nested in an image-text model (Llama 4's)."""
+    decoder = skeleton.get_decoder()
+    while not hasattr(decoder, "layers") and isinstance(getattr(decoder, "model", None), torch.nn.Module):
+        decoder = decoder.model  # a causal LM's body
+    return decoder
+
+
+def model_class(config) -> type:
+    """The Auto class that builds the whole model of `config`: an image-text model (its vision tower included)
+    where the config has a language model inside, a causal LM otherwise."""
+    if config.get_text_config() is not config:
+        return transformers.AutoModelForImageTextToText
+    return transformers.AutoModelForCausalLM
+
+
+def _build_buffers(skeleton: torch.nn.Module):
+    """Buffers the checkpoint does not carry (Gemma's embed_scale, Falcon-H1's mup_vector), built as transformers
+    builds them: by the model's own weight initialization, which may set a module's buffers from an ancestor
+    (Falcon-H1's model sets its mixers'); the parameters stay on the meta device. A buffer it leaves unset (still
+    NaN) goes back to meta, so that loading its layer is refused rather than run on garbage."""
+    stored = set(skeleton.state_dict())
+    built = []
+    for name, module in skeleton.named_modules():
+        for leaf, b in module.named_buffers(recurse=False):
+            if b.is_meta and b.is_floating_point() and f"{name}.{leaf}".lstrip(".") not in stored:
+                module._buffers[leaf] = torch.full_like(b, float("nan"), device="cpu")
+                built.append((module, leaf))
+    if built:
+        skeleton.initialize_weights()
+    for module, leaf in built:
+        if module._buffers[leaf].isnan().any():
+            module._buffers[leaf] = module._buffers[leaf].to("meta")
+
+
+def _tied_groups(module: torch.nn.Module) -> list[tuple[list[str], torch.Tensor]]:
+    """The module's stored tensors, each with every name it goes by (tied weights have several)."""
+    groups: dict[int, tuple[list[str], torch.Tensor]] = {}
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        groups.setdefault(id(tensor), ([], tensor))[0].append(name)
+    return list(groups.values())
+
+
+class SourceModel:
+    """A Hugging Face model directory: config, meta skeleton, and per-layer weights read lazily."""
+
+    def __init__(self, path: str, trust_remote_code: bool = False, attention: str = "eager"):
+        """`path`: a model directory, or (for planning only) a config.json on its own. `attention`: eager
+        by default, because llmcompressor's traced calibration computes attention exactly as eager does
+        (sdpa differs in the last bits, and GPTQ's rounding decisions amplify last bits)."""
+        if os.path.isfile(path) and path.endswith(".json"):
+            path = os.path.dirname(path) or "."
+        if not os.path.isdir(path):
+            raise UsageError(f"model directory {path} does not exist")
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise UsageError(f"{path} has no config.json: not a Hugging Face model directory")
+        self.path = path
+        try:
+            self.config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        except (ValueError, KeyError) as e:
+            raise UsageError(f"cannot read {path}/config.json: {str(e).splitlines()[0]}") from e
+        self.dtype = self.config.dtype or torch.float32
+        if isinstance(self.dtype, str):
+            self.dtype = getattr(torch, self.dtype)
+        self.skeleton = self._skeleton(trust_remote_code, attention)
+        self.decoder = _decoder(self.skeleton)
+        self.layers = getattr(self.decoder, "layers", None)
+        if not isinstance(self.layers, torch.nn.ModuleList):
+            self._refuse(f"its decoder {type(self.decoder).__name__} has no stack of layers (.layers)")
+        fused = fused_experts(self.skeleton)
+        if fused:
+            self._refuse(f"its experts {fused[0]} ({type(self.skeleton.get_submodule(fused[0])).__name__}) are "
+                         "fused in a layout that cannot be split into Linear modules")
+        self.layer_prefix = next(n for n, m in self.skeleton.named_modules() if m is self.layers) + "."
+
+    def _skeleton(self, trust_remote_code: bool, attention: str) -> torch.nn.Module:
+        """The causal LM on the meta device, its fused experts split into Linear modules."""
+        try:
+            with torch.device("meta"):
+                skeleton = model_class(self.config).from_config(
+                    self.config, dtype=self.dtype, attn_implementation=attention,
+                    trust_remote_code=trust_remote_code)
+        except (ValueError, KeyError, ImportError) as e:
+            self._refuse(str(e).splitlines()[0] if str(e) else type(e).__name__)
+        make_quantizable(skeleton)
+        _build_buffers(skeleton)
+        teach_loader(skeleton)
+        return skeleton
+
+    def _refuse(self, reason: str):
+        """Support is what the layer-by-layer loop needs; a model that lacks it is refused before any work."""
+        arch = ",".join(getattr(self.config, "architectures", None) or [self.config.model_type])
+        raise UsageError(f"architecture {arch} (model_type {self.config.model_type!r}) is not supported: {reason}")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @functools.cached_property
+    def files(self) -> dict[str, str]:
+        """The checkpoint's tensor name -> shard file (read on first use, so a config alone can be planned)."""
+        index = os.path.join(self.path, "model.safetensors.index.json")
+        if os.path.isfile(index):
+            with open(index) as f:
+                return {k: os.path.join(self.path, v) for k, v in json.load(f)["weight_map"].items()}
+        files = sorted(f for f in os.listdir(self.path) if f.endswith(".safetensors"))
+        if not files:
+            raise UsageError(f"{self.path} has no .safetensors weights")
+        return {name: os.path.join(self.path, f) for f in files
+                for name in json.loads(_read_header(os.path.join(self.path, f))) if name != "__metadata__"}
+
+    @functools.cached_property
+    def fused(self) -> dict[str, tuple[str, str, str]]:
+        """Per-expert tensor name -> (the checkpoint's fused tensor holding it, its experts container, the
+        container's parameter), for experts the checkpoint stores fused."""
+        out = {}
+        for stored, (container, param) in fused_in_checkpoint(self.skeleton, self.files).items():
+            for local in self.skeleton.get_submodule(container).unfused_names(param):
+                out[f"{container}.{local}"] = (stored, container, param)
+        return out
+
+    @functools.cached_property
+    def weight_map(self) -> dict[str, str]:
+        """Tensor name -> shard file: the checkpoint's, with experts stored fused listed one tensor per expert
+        (as the skeleton and the export hold them)."""
+        whole = {stored for stored, _, _ in self.fused.values()}
+        view = {n: f for n, f in self.files.items() if n not in whole}
+        view.update({n: self.files[stored] for n, (stored, _, _) in self.fused.items()})
+        return view
+
+    def check_weights(self):
+        """Before any work: every tensor that a layer or the export reads is in a readable shard, with the shape
+        the config implies (tied weights need one of their names)."""
+        shapes, where = {}, {}
+        for shard in sorted(set(self.files.values())):
+            for name, entry in json.loads(_read_header(shard)).items():
+                if name != "__metadata__":
+                    shapes[name], where[name] = tuple(entry["shape"]), shard
+        for stored, container, param in set(self.fused.values()):
+            split = self.skeleton.get_submodule(container).unfused(param, torch.empty(shapes[stored], device="meta"))
+            shapes.update({f"{container}.{k}": tuple(v.shape) for k, v in split.items()})
+            where.update({f"{container}.{k}": where[stored] for k in split})
+        for names, tensor in _tied_groups(self.skeleton):
+            present = [n for n in names if self.stored_name(n) in shapes]
+            if not present:
+                raise UsageError(f"model {self.path} lacks tensor {names[0]}: the checkpoint is incomplete or "
+                                 "of another layout")
+            for name in map(self.stored_name, present):
+                if shapes[name] != tuple(tensor.shape):
+                    raise UsageError(f"tensor {name} in {where[name]} has shape {list(shapes[name])}, but the "
+                                     f"config implies {list(tensor.shape)}: the weights do not match config.json")
+
+    @functools.cached_property
+    def stored(self) -> dict[str, str]:
+        """Skeleton tensor name -> the checkpoint's, where transformers' loader converts one into the other."""
+        return stored_names(self.skeleton, self.files)
+
+    def stored_name(self, name: str) -> str:
+        """The checkpoint's name for a skeleton tensor, or for one that the export writes in place of a weight
+        (a quantized weight's `weight_packed` goes where its `weight` was stored)."""
+        if name in self.stored:
+            return self.stored[name]
+        module, _, leaf = name.rpartition(".")
+        weight = self.stored.get(f"{module}.weight")
+        return f"{weight.rpartition('.')[0]}.{leaf}" if weight else name
+
+    def digest(self) -> str:
+        """Identity of the model: its config and the headers (names, dtypes, shapes, offsets) of its shards."""
+        h = hashlib.sha256()
+        with open(os.path.join(self.path, "config.json"), "rb") as f:
+            h.update(f.read())
+        for shard in sorted(set(self.files.values())):
+            h.update(os.path.basename(shard).encode())
+            h.update(str(os.path.getsize(shard)).encode())
+            h.update(_read_header(shard))
+        return h.hexdigest()
+
+    def read(self, names) -> dict[str, torch.Tensor]:
+        """Tensors by their skeleton names."""
+        stored = {n: self.stored_name(n) for n in names}
+        tensors = self.read_stored(list(stored.values()))
+        return {n: tensors[s] for n, s in stored.items()}
+
+    def read_stored(self, names) -> dict[str, torch.Tensor]:
+        """Tensors by the checkpoint's names (per expert for experts stored fused: see `weight_map`)."""
+        missing = [n for n in names if n not in self.weight_map]
+        if missing:
+            raise UsageError(f"{self.path} lacks tensors {missing[:3]}: unsupported checkpoint layout")
+        whole = {self.fused[n][0]: self.fused[n][1:] for n in names if n in self.fused}
+        by_file: dict[str, list[str]] = {}
+        for n in [n for n in names if n not in self.fused] + sorted(whole):
+            by_file.setdefault(self.files[n], []).append(n)
+        out = {}
+        for path, group in by_file.items():
+            try:
+                with safe_open(path, "pt") as f:
+                    out.update({n: f.get_tensor(n) for n in group})
+            except SafetensorError as e:  # changed since the start, where every header was checked
+                raise UsageError(f"model file {path} is truncated or damaged ({e}): restore it from the "
+                                 "original model, then run again to resume") from None
+        for stored, (container, param) in whole.items():
+            split = self.skeleton.get_submodule(container).unfused(param, out.pop(stored))
+            out.update({f"{container}.{k}": v for k, v in split.items()})
+        return {n: out[n] for n in names}
+
+    def load(self, module: torch.nn.Module, prefix: str) -> torch.nn.Module:
+        """A CPU copy of a meta submodule with its weights read from the checkpoint."""
+        module = copy.deepcopy(module)
+        state = module.state_dict()
+        tensors = self.read([prefix + k for k in state])
+        module.load_state_dict({k: tensors[prefix + k].to(v.dtype) for k, v in state.items()},
+                               assign=True, strict=True)
+        if any(b.is_meta for b in module.buffers()):
+            raise UsageError(f"{type(module).__name__} has buffers not stored in the checkpoint: "
+                             "unsupported architecture")
+        return module.requires_grad_(False).eval()
+
+    def load_layer(self, index: int) -> torch.nn.Module:
+        return self.load(self.layers[index], f"{self.layer_prefix}{index}.")
+
+    def by_layer(self, names: list[str]) -> list[list[str]]:
+        """Module names (full) per decoder layer, as names local to their layer. GPTQ runs layer by layer,
+        so a module outside the decoder layers is refused."""
+        out: list[list[str]] = [[] for _ in range(self.num_layers)]
+        for name in names:
+            if not name.startswith(self.layer_prefix):
+                raise UsageError(f"{name} is outside the decoder layers and cannot be quantized here: "
+                                 "add it to --ignore")
+            index, _, local = name[len(self.layer_prefix):].partition(".")
+            out[int(index)].append(local)
+        return out
+
+    def linear_shapes(self, names) -> dict[str, tuple[int, int]]:
+        modules = dict(self.skeleton.named_modules())
+        return {n: tuple(modules[n].weight.shape) for n in names}
+
+
+def _meta(module: torch.nn.Module):
+    return (t.is_meta for t in list(module.parameters()) + list(module.buffers()))
+
+
+class _Catcher(torch.nn.Module):
+    """Stands in for a decoder layer: records the arguments it is called with, passes hidden states on."""
+
+    def __init__(self, layer, record: list):
+        super().__init__()
+        self.attention_type = getattr(layer, "attention_type", None)
+        self.record = record
+
+    def forward(self, hidden_states, *args, **kwargs):
+        self.record.append((hidden_states, args, kwargs))
+        return hidden_states
+
+
+class Embedder:
+    """Layer 0's inputs from token ids, and the keyword arguments (position embeddings, masks) that
+    every decoder layer takes, produced by the model's own forward with the layers stubbed out."""
+
+    def __init__(self, source: SourceModel):
+        decoder = source.decoder
+        prefix = next(n for n, m in source.skeleton.named_modules() if m is decoder)
+        shell = copy.deepcopy(decoder)
+        self.record: list = []
+        shell.layers = torch.nn.ModuleList(_Catcher(layer, self.record) for layer in decoder.layers)
+        shell.norm = torch.nn.Identity()
+        shell.rotary_emb = type(decoder.rotary_emb)(config=decoder.config)
+        self._load = lambda: source.load(decoder.embed_tokens, f"{prefix}.embed_tokens.")
+        shell.embed_tokens = self._load()
+        for name, child in decoder.named_children():  # other modules (Phi's final_layernorm), as stored
+            if name not in ("layers", "embed_tokens") and any(_meta(child)):
+                setattr(shell, name, source.load(child, f"{prefix}.{name}."))
+        if any(_meta(shell)):
+            raise UsageError(f"{type(decoder).__name__} has parameters outside its modules: unsupported "
+                             "architecture")
+        self.shell = shell.eval()
+        self._kwargs: dict[int, list[dict]] = {}
+
+    def release(self):
+        """Drop the embedding table (vocab x hidden) once layer 0 is done; it is read again if needed."""
+        self.shell.embed_tokens = None
+
+    @torch.no_grad()
+    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Embedded hidden states for a batch of samples; caches the per-layer kwargs for its size."""
+        if self.shell.embed_tokens is None:
+            self.shell.embed_tokens = self._load()
+        self.record.clear()
+        self.shell(input_ids=input_ids, use_cache=False)
+        hidden = self.record[0][0]
+        if input_ids.shape[0] not in self._kwargs:
+            self._kwargs[input_ids.shape[0]] = [self._layer_kwargs(args, kw) for _, args, kw in self.record]
+        self.record.clear()
+        return hidden
+
+    @staticmethod
+    def _layer_kwargs(args, kwargs):
+        if args:
+            raise UsageError("decoder layers take positional arguments besides hidden states: "
+                             "unsupported architecture")
+        return {k: v for k, v in kwargs.items() if k not in ("past_key_values", "past_key_value")}
+
+    def layer_kwargs(self, layer: int, batch: int, seq_len: int) -> dict:
+        if batch not in self._kwargs:
+            self(torch.zeros(batch, seq_len, dtype=torch.int64))
+        return self._kwargs[batch][layer]

@@ -1,0 +1,284 @@
+"""One rank's part of a layer's GPTQ plan (plan.make_plan): compute and collectives, no I/O.
+
+Every rank walks the plan's steps in the same order, computes its own and issues, for every step whose
+result others need, that step's broadcast at once (asynchronously): a rank waits on a broadcast only
+when a step of its own needs the result, and that result comes from an earlier step, so no rank ever
+waits on a later one. Whole groups of one shape are solved in one batch (MoE experts). A shared group's
+factor comes from one rank, or (spread, when wide) panel by panel from all of them; then the pieces of
+its inverse, then row slices of its solve. Every rank ends with every group's result.
+
+Each module's qparams come from its whole original weight (gptq.module_qparams), which every rank holds, so a
+row slice is solved with its rows' scales: no rank needs another's rows to quantize its own.
+"""
+
+import dataclasses
+import logging
+from collections.abc import Callable
+
+import torch
+from compressed_tensors.quantization import QuantizationArgs
+
+from elastic_oneshot.distributed.world import World
+from elastic_oneshot.quantization import gptq
+from elastic_oneshot.quantization.cholesky import (
+    assemble,
+    cholesky_panel,
+    cholesky_panels,
+    cholesky_update,
+    inverse_pieces,
+    inverse_rows,
+    reversed_columns,
+)
+from elastic_oneshot.quantization.plan import Group, Plan, Step, StepKind
+from elastic_oneshot.quantization.recipe import Recipe
+
+log = logging.getLogger("elastic_oneshot")
+
+
+def _batches(items: list, key, size, limit: int = 2**27) -> list[list]:
+    """Items of equal `key` in batches whose total `size` (elements) stays under `limit`, in order."""
+    out, open_ = [], {}
+    for item in items:
+        batch = open_.get(key(item))
+        if batch is None or sum(size(i) for i in batch) + size(item) > limit:
+            batch = open_[key(item)] = []
+            out.append(batch)
+        batch.append(item)
+    return out
+
+
+def _wait(works):
+    for w in works:
+        if w is not None:
+            w.wait()
+
+
+@dataclasses.dataclass
+class SharedFactor:
+    """A shared group's factor on this rank, filled as broadcasts arrive: whole from the rank that factored
+    it, or (spread) panel by panel, each rank updating and factoring the column pieces it owns; then the
+    row pieces of its inverse, and the inverse factor once assembled."""
+
+    matrix: torch.Tensor  # [1, d, d] what gptq.factor gives: the inverse's upper factor, or (wide) the
+    # Cholesky factor of the reversed Hessian (gptq.Factored)
+    meta: torch.Tensor  # [1, 2d + 1] the solve's column order, packed as gptq packs it
+    works: list = dataclasses.field(default_factory=list)  # broadcasts of `matrix` and `meta`
+    columns: dict = dataclasses.field(default_factory=dict)  # spread: start column -> column piece
+    panels: dict = dataclasses.field(default_factory=dict)  # spread: start column -> (panel, its broadcast)
+    placed: set = dataclasses.field(default_factory=set)  # spread: start columns of the panels in `matrix`
+    inverse: dict = dataclasses.field(default_factory=dict)  # start row -> (piece of the inverse, its broadcast)
+    prepared: gptq.Prepared | None = None
+
+    def upto(self, end: int) -> torch.Tensor:
+        """The factor [d, d], complete in the columns before `end`."""
+        _wait(self.works)
+        for start, (panel, work) in self.panels.items():
+            if start < end and start not in self.placed:
+                _wait([work])
+                self.matrix[0, start:, start:start + panel.shape[-1]] = panel
+                self.placed.add(start)
+        return self.matrix[0]
+
+
+class Executor:
+    """Runs `plan` for `groups` on this rank. `weights`: module name -> weight [rows, cols] on this rank's
+    device; `args` and `qparams`: module name -> its weights' QuantizationArgs (one per group) and QParams.
+    `on_solved` receives [(group, solved weight)] of the groups this rank owns as soon as they are solved
+    (the runner persists them); `damping` holds the damping of the groups whose Hessian this rank factored
+    (None: round-to-nearest)."""
+
+    def __init__(self, world: World, plan: Plan, groups: list[Group], weights: dict, recipe: Recipe, layer: int,
+                 on_solved: Callable[[list[tuple[Group, torch.Tensor]]], None],
+                 args: dict[str, QuantizationArgs], qparams: dict[str, gptq.QParams]):
+        self.world, self.plan, self.groups, self.weights = world, plan, groups, weights
+        self.args, self.qparams = args, qparams
+        self.frac, self.block = recipe.dampening_frac, recipe.block_size
+        self.layer, self.on_solved = layer, on_solved
+        self.owners = plan.owners()
+        self.spread = {s.group.name for s in plan.steps if s.kind == StepKind.PANEL}  # every rank factors a piece
+        wholes = [s for s in plan.steps if s.kind == StepKind.WHOLE and s.rank == world.rank]
+        self.batch_of = {id(s): b for b in _batches(wholes, self._batch_key,
+                                                    lambda s: s.group.cols * (s.group.rows + s.group.cols)) for s in b}
+        self.hessian: dict[str, torch.Tensor] = {}  # normalized, of the groups this rank factors
+        self.shared: dict[str, SharedFactor] = {}
+        self.slices: dict[tuple[str, int], torch.Tensor] = {}  # (group, first row) -> rows of a whole or solve step
+        self.pending: list = []  # broadcasts of results
+        self.damping: dict[Group, float | None] = {}
+
+    def run(self, hessians: dict[str, torch.Tensor], num_samples: int, ranges: dict | None = None
+            ) -> dict[str, torch.Tensor]:
+        """Every group's solved weight, from this rank's Hessian sums (group name -> [d, d], cleared here: only
+        the normalized ones are kept); `ranges` (calibration.Calibration's) reduced over all ranks in place."""
+        works = [self.world.all_reduce(hessians[g.name]) if g.name in self.spread else
+                 self.world.reduce_to(hessians[g.name], self.owners[g.name]) for g in self.groups]
+        self._reduce_ranges(ranges or {})
+        _wait(works)
+        self.hessian = {g.name: hessians[g.name] / num_samples for g in self.groups
+                        if self.owners[g.name] == self.world.rank or g.name in self.spread}
+        hessians.clear()
+        do = {StepKind.WHOLE: self.whole, StepKind.FACTOR: self.factor, StepKind.PANEL: self.panel,
+              StepKind.UPDATE: self.update, StepKind.INVERT: self.invert, StepKind.SOLVE: self.solve}
+        for step in self.plan.steps:
+            do[step.kind](step)
+        _wait(self.pending)
+        return self.assemble()
+
+    # -- one method per step kind ------------------------------------------------------------------------
+    def whole(self, s: Step):
+        """Factor, invert and solve a group on its rank, with the other groups of its batch."""
+        if s.rank != self.world.rank:
+            self.slices[(s.group.name, 0)] = self._placeholder(s)
+        elif (s.group.name, 0) not in self.slices:  # else solved with an earlier step of its batch
+            batch = self.batch_of[id(s)]
+            args = self.args[s.group.name]
+            prep = gptq.prepare(torch.stack([self.hessian.pop(o.group.name) for o in batch]), args.actorder,
+                                self.frac)
+            r = gptq.solve(torch.stack([self._rows(o) for o in batch]), prep, args, self.block,
+                           *self._scales(batch))
+            for i, o in enumerate(batch):
+                self.slices[(o.group.name, 0)] = r[i]
+                self._note(o.group, prep.damping[i])
+            self.on_solved([(o.group, self.slices[(o.group.name, 0)]) for o in batch])
+        self._broadcast(s)
+
+    def factor(self, s: Step):
+        """A shared group's factor, on one rank, to every rank."""
+        g = s.group
+        if s.rank == self.world.rank:
+            factored = gptq.factor(self.hessian.pop(g.name)[None], self.args[g.name].actorder, self.frac)
+            self._note(g, factored.damping[0])
+            matrix, meta = factored.pack()
+        else:
+            matrix, meta = self._empty(1, g.cols, g.cols), self._empty(1, 2 * g.cols + 1, dtype=torch.float64)
+        self.shared[g.name] = SharedFactor(matrix, meta, [self.world.broadcast(t, s.rank) for t in (matrix, meta)])
+
+    def panel(self, s: Step):
+        """Columns start:end of a spread Cholesky factor, on the rank that owns them, to every rank."""
+        f, width = self._spread(s.group), s.end - s.start
+        panel = cholesky_panel(f.columns[s.start]) if s.rank == self.world.rank else \
+            self._empty(s.group.cols - s.start, width, dtype=torch.float64)
+        f.panels[s.start] = (panel, self.world.broadcast(panel, s.rank))
+
+    def update(self, s: Step):
+        """The owner's column piece start:end minus the product of the panel at `s.panel`."""
+        if s.rank == self.world.rank:
+            f = self._spread(s.group)
+            panel, work = f.panels[s.panel]
+            _wait([work])
+            cholesky_update(f.columns[s.start], panel, s.start - s.panel)
+
+    def invert(self, s: Step):
+        """Rows start:end of the factor's triangular inverse, to every rank."""
+        f = self.shared[s.group.name]
+        piece = inverse_rows(f.upto(s.end), s.start, s.end) if s.rank == self.world.rank else \
+            self._empty(s.end - s.start, s.end)
+        f.inverse[s.start] = (piece, self.world.broadcast(piece, s.rank))
+
+    def solve(self, s: Step):
+        """Rows start:end of a shared group, to every rank."""
+        if s.rank == self.world.rank:
+            r = gptq.solve(self._rows(s)[None], self._prepared(s.group), self.args[s.group.name], self.block,
+                           *self._scales([s]))
+            self.slices[(s.group.name, s.start)] = r[0]
+        else:
+            self.slices[(s.group.name, s.start)] = self._placeholder(s)
+        self._broadcast(s)
+
+    # -- the rest ----------------------------------------------------------------------------------------
+    def assemble(self) -> dict[str, torch.Tensor]:
+        """Shared groups' row slices joined; the shared groups this rank owns handed to `on_solved`."""
+        results = {}
+        for g in self.groups:
+            if g.name in self.spread and self.owners[g.name] == self.world.rank:
+                self._note(g, self._prepared(g).damping[0])
+            if self.plan.shared(g):
+                parts = [self.slices[(g.name, s.start)] for s in sorted(self.plan.steps, key=lambda s: s.start)
+                         if s.group is g and s.kind == StepKind.SOLVE]
+                results[g.name] = torch.cat(parts)
+            else:
+                results[g.name] = self.slices[(g.name, 0)]
+        owned = [(g, results[g.name]) for g in self.groups if self.owners[g.name] == self.world.rank and
+                 self.plan.shared(g)]
+        if owned:
+            self.on_solved(owned)
+        return results
+
+    def _spread(self, g: Group) -> SharedFactor:
+        """A spread group's factor: this rank's copy of the column pieces, from the all-reduced Hessian."""
+        if g.name not in self.shared:
+            h, perm, dead, _ = gptq.order(self.hessian[g.name][None], self.args[g.name].actorder)
+            starts = [start for start, _ in cholesky_panels(g.cols)]
+            matrix = torch.zeros(1, g.cols, g.cols, device=self.world.device)
+            self.shared[g.name] = SharedFactor(
+                matrix, gptq.Factored(matrix, perm, dead, [self.frac]).pack()[1],
+                columns=dict(zip(starts, reversed_columns(gptq.damp(h[0], self.frac)))))
+        return self.shared[g.name]
+
+    def _prepared(self, g: Group) -> gptq.Prepared:
+        """A shared group's inverse factor, once its factor and every piece of its inverse have arrived."""
+        f = self.shared[g.name]
+        if f.prepared is None:
+            matrix = f.upto(g.cols)
+            _wait([work for _, work in f.inverse.values()])
+            spans = inverse_pieces(g.cols)
+            if g.name in self.spread and matrix.isnan().any():  # not positive definite: every rank retries alone
+                f.prepared = gptq.prepare(self.hessian[g.name][None], self.args[g.name].actorder, self.frac)
+            elif spans:
+                order = gptq.Factored.unpack(f.matrix, f.meta)
+                hinv = assemble([f.inverse[start][0] for start, _ in spans], g.cols)
+                f.prepared = gptq.Prepared(hinv[None], order.perm, order.dead, order.damping)
+            else:
+                f.prepared = gptq.Prepared.unpack(f.matrix, f.meta)
+        return f.prepared
+
+    def _rows(self, s: Step) -> torch.Tensor:
+        return torch.cat([self.weights[name][lo:hi] for name, lo, hi in s.pieces()])
+
+    def _batch_key(self, s: Step):
+        """Whole groups solved in one batch: same shape, same quantization."""
+        return s.group.rows, s.group.cols, self.args[s.group.name].model_dump_json()
+
+    def _scales(self, steps: list[Step]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[B, rows, column groups] effective scales and zero points (None: symmetric) of the steps' rows."""
+        tables = []
+        for s in steps:
+            parts = [gptq.row_qparams(self.qparams[name], self.args[name], self.weights[name].shape[0])
+                     for name, _, _ in s.pieces()]
+            tables.append([torch.cat([t[i][lo:hi] for t, (_, lo, hi) in zip(parts, s.pieces())])
+                           if parts[0][i] is not None else None for i in (0, 1)])
+        scale, zero_point = zip(*tables)
+        return torch.stack(scale), None if zero_point[0] is None else torch.stack(zero_point)
+
+    def _reduce_ranges(self, ranges: dict):
+        """Min and max over all ranks, exactly: every rank's values summed into its own slot of zeros (an
+        all-gather by sum), then reduced here."""
+        if not ranges or not self.world.distributed:
+            return
+        names = sorted(ranges)
+        slots = torch.zeros(self.world.size, len(names), 2, dtype=torch.float64, device=self.world.device)
+        slots[self.world.rank] = torch.stack([ranges[n].double() for n in names])
+        _wait([self.world.all_reduce(slots)])
+        for i, n in enumerate(names):
+            ranges[n] = torch.stack([slots[:, i, 0].amin(), slots[:, i, 1].amax()]).to(ranges[n].dtype)
+
+    def _placeholder(self, s: Step) -> torch.Tensor:
+        """Where another rank's rows start:end of a group arrive."""
+        return self._empty(s.end - s.start, s.group.cols, dtype=self.weights[s.group.name].dtype)
+
+    def _broadcast(self, s: Step):
+        self.pending.append(self.world.broadcast(self.slices[(s.group.name, s.start)], s.rank))
+
+    def _empty(self, *shape, dtype=torch.float32) -> torch.Tensor:
+        return torch.empty(*shape, dtype=dtype, device=self.world.device)
+
+    def _note(self, group: Group, damping: float | None):
+        """Record the damping that worked; say so when it is not the recipe's, loudly when none did."""
+        self.damping[group] = damping
+        names = group.name + (f" (+{len(group.modules) - 1})" if len(group.modules) > 1 else "")
+        if damping is None:
+            log.error("!!! layer %d %s: Hessian not positive definite even with damping %.3g, or no calibration "
+                      "token reached it: quantized with ROUND-TO-NEAREST, not GPTQ", self.layer, names,
+                      max(self.frac, 0.01) * 10 ** gptq.DAMPING_RETRIES)
+        elif damping != self.frac:
+            log.warning("layer %d %s: Hessian not positive definite at damping %.3g; used %.3g", self.layer,
+                        names, self.frac, damping)

@@ -1,0 +1,330 @@
+"""GPTQ (Frantar et al., 2022) with LLM Compressor's semantics. Pure math: no I/O, no processes.
+
+Matches llmcompressor 0.14's GPTQModifier: Hessian 2/n * sum x x^T over the n calibration sequences,
+scales from the original weight's min/max by every strategy compressed-tensors has (tensor, channel, group,
+tensor group with a global scale shared by fused modules, block), fixed during the solve; static activation ordering,
+dead columns zeroed, damping 0.01 * mean(diag H). Three differences, all deliberate: a Cholesky
+failure retries with more damping before falling back to round-to-nearest; modules that share
+an input (and so a Hessian) are solved together as one matrix, their rows stacked; and for Hessians
+wider than cholesky.SHARED_INVERSE_COLS the inverse factor comes from a blocked fp64 Cholesky and a
+triangular inverse, both in fixed pieces that ranks share (cholesky.py; closer to exact than the peer's
+three fp32 steps).
+"""
+
+import dataclasses
+import math
+from copy import copy
+from typing import NamedTuple
+
+import torch
+from compressed_tensors.quantization import QuantizationArgs, QuantizationStrategy, fake_quantize
+from compressed_tensors.quantization.utils import (
+    calculate_qparams,
+    generate_gparam,
+    maybe_pad_tensor_for_block_quant,
+)
+
+from elastic_oneshot.quantization.cholesky import (
+    assemble,
+    blocked_cholesky,
+    cholesky_panels,
+    inverse_pieces,
+    inverse_rows,
+    one_thread,
+    reversed_columns,
+)
+
+DAMPING_RETRIES = 3  # each retry multiplies the damping fraction by 10
+
+
+HESSIAN_BLOCK = 192  # row blocks of the lower triangle
+
+
+def hessian_add(acc: torch.Tensor, x: torch.Tensor, seq_len: int):
+    """acc (fp32) += sum over the sequences in `x` of 2 X^T X (normalized later by the sample count), in
+    its lower triangle, by row blocks (above the diagonal blocks nothing is written): `symmetric`
+    completes it. `x` is [batch, tokens, features], or [tokens, features] from modules that see tokens
+    flattened (MoE experts): then whole sequences of `seq_len` tokens when it holds whole sequences,
+    else one set.
+
+    The terms are computed and summed as the peer does (fp32, scaled by sqrt 2, same operand layout, one
+    sequence after another): GPTQ's rounding decisions are chaotic in the Hessian's last bits. Computing
+    the triangle by row blocks takes 0.56-0.67x the FLOPs of the full product, and on MKL its entries
+    equal the full product's bit for bit (the full product is exactly symmetric there). The caller sums
+    these fp32 partials per chunk into an fp64 total, so that the total hardly depends on how chunks are
+    split across ranks.
+    """
+    if x.dim() > 2:
+        x = x.reshape(-1, *x.shape[-2:])
+    else:
+        x = x.reshape(-1, seq_len, x.shape[-1]) if x.shape[0] % seq_len == 0 else x.unsqueeze(0)
+    d = x.shape[-1]
+    for seq in x:
+        inp = math.sqrt(2) * seq.t().to(torch.float32)
+        for r in range(0, d, HESSIAN_BLOCK):
+            e = min(r + HESSIAN_BLOCK, d)
+            acc[r:e, :e] += inp[r:e].matmul(inp[:e].t())
+
+
+def symmetric(lower: torch.Tensor) -> torch.Tensor:
+    """The symmetric matrix whose lower triangle `lower` holds."""
+    return lower.tril() + lower.tril(-1).mT
+
+
+# Sibling modules that vLLM fuses, so that with tensor-group scales (NVFP4) they share one global scale: the
+# peer's FUSED_LAYER_NAMES (llmcompressor/observers/helpers.py), grouped under their parent module.
+FUSED_LAYER_NAMES = (("gate_proj", "up_proj"), ("q_proj", "k_proj", "v_proj"), ("q_a_proj", "kv_a_proj_with_mqa"),
+                     ("w1", "w3"))
+GROUPED = (QuantizationStrategy.GROUP, QuantizationStrategy.TENSOR_GROUP)
+
+
+class QParams(NamedTuple):
+    """A module's quantization parameters, from its whole original weight, fixed during the solve."""
+
+    scale: torch.Tensor  # [1] tensor, [rows, 1] channel, [rows, groups] group, [row blocks, column blocks] block
+    zero_point: torch.Tensor
+    global_scale: torch.Tensor | None = None  # tensor group: [1] fp32, shared across the fusion group
+
+
+def _observed(weight: torch.Tensor, args: QuantizationArgs) -> torch.Tensor:
+    """The weight as the peer's observer flattens it: one qparam per row of the result (blocks zero-padded)."""
+    if args.strategy == QuantizationStrategy.TENSOR:
+        return weight.reshape(1, -1)
+    if args.strategy in GROUPED:
+        return weight.unflatten(-1, (-1, args.group_size))
+    if args.strategy == QuantizationStrategy.BLOCK:
+        height, width = args.block_structure
+        padded = maybe_pad_tensor_for_block_quant(weight, tuple(args.block_structure))
+        rows, cols = padded.shape
+        return padded.reshape(rows // height, height, cols // width, width).transpose(1, 2).flatten(-2)
+    return weight.unsqueeze(-2)
+
+
+def qparams(weight: torch.Tensor, args: QuantizationArgs, global_scale: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and zero point from the weight's min and max per qparam (the peer's memoryless_minmax)."""
+    w = _observed(weight, args)
+    return calculate_qparams(w.amin(-1), w.amax(-1), args, global_scale)
+
+
+def global_scale(weights: list[torch.Tensor], args: QuantizationArgs) -> torch.Tensor | None:
+    """Tensor group's global scale from the absolute maximum over a fusion group's weights; else None."""
+    if args.strategy != QuantizationStrategy.TENSOR_GROUP:
+        return None
+    absmax = torch.stack([torch.maximum(w.amax(), -w.amin()) for w in weights]).amax().reshape(1)
+    return generate_gparam(-absmax, absmax)
+
+
+def module_qparams(modules: dict[str, torch.nn.Module], args: dict[str, QuantizationArgs]) -> dict[str, QParams]:
+    """QParams of the modules named in `args` (names within one layer; `modules`: the layer's, with their
+    original weights), fusion groups sharing one global scale."""
+    fused = {}
+    for name in args:
+        parent, _, leaf = name.rpartition(".")
+        siblings = next((f for f in FUSED_LAYER_NAMES if leaf in f), ())
+        members = [f"{parent}.{s}" if parent else s for s in siblings]
+        fused[name] = members if members and all(m in modules for m in members) else [name]
+    out = {}
+    for name, a in args.items():
+        g = global_scale([modules[m].weight for m in fused[name] if m in args], a)
+        out[name] = QParams(*qparams(modules[name].weight, a, g), g)
+    return out
+
+
+def row_qparams(q: QParams, args: QuantizationArgs, rows: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per output row, the effective scale (divided by the global scale) and zero point (None if symmetric)
+    of each column group (`column_groups`): any slice of rows can then be solved alone."""
+    scale, zp = q.scale, q.zero_point
+    if args.strategy == QuantizationStrategy.TENSOR:
+        scale, zp = scale.reshape(1, 1).expand(rows, 1), zp.reshape(1, 1).expand(rows, 1)
+    elif args.strategy == QuantizationStrategy.BLOCK:
+        index = torch.arange(rows, device=scale.device) // args.block_structure[0]
+        scale, zp = scale[index], zp[index]
+    if q.global_scale is not None:
+        scale = scale / q.global_scale
+    return scale.contiguous(), None if args.symmetric else zp.contiguous()
+
+
+def column_groups(cols: int, args: QuantizationArgs, device=None) -> torch.Tensor:
+    """[cols]: the column group of each input column (0 for tensor and channel)."""
+    width = args.group_size if args.strategy in GROUPED else \
+        args.block_structure[1] if args.strategy == QuantizationStrategy.BLOCK else cols
+    return torch.arange(cols, device=device) // width
+
+
+@dataclasses.dataclass
+class Prepared:
+    """What the rows of a batch of matrices need from their Hessians; computed once, shared by every
+    row slice."""
+
+    hinv: torch.Tensor  # [B, d, d] upper Cholesky factor of the damped inverse, in the permuted order
+    perm: torch.Tensor  # [B, d] column order of the solve (identity without activation ordering)
+    dead: torch.Tensor  # [B, d] columns no calibration token touched
+    damping: list  # per matrix: the dampening fraction that worked; None: round-to-nearest
+
+    def pack(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """As two tensors, to send to another rank."""
+        return self.hinv, _pack_order(self.perm, self.dead, self.damping)
+
+    @classmethod
+    def unpack(cls, hinv: torch.Tensor, meta: torch.Tensor) -> "Prepared":
+        return cls(hinv, *_unpack_order(meta, hinv.shape[-1]))
+
+
+@dataclasses.dataclass
+class Factored:
+    """Wide Hessians (cholesky.cholesky_panels) half way to `Prepared`: their Cholesky factor, whose
+    triangular inverse (in pieces that ranks can share) gives the inverse factor."""
+
+    chol: torch.Tensor  # [B, d, d] lower Cholesky factor of the damped Hessian with rows and columns reversed
+    perm: torch.Tensor  # perm, dead and damping as in Prepared
+    dead: torch.Tensor
+    damping: list
+
+    def pack(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.chol, _pack_order(self.perm, self.dead, self.damping)
+
+    @classmethod
+    def unpack(cls, chol: torch.Tensor, meta: torch.Tensor) -> "Factored":
+        return cls(chol, *_unpack_order(meta, chol.shape[-1]))
+
+
+def _pack_order(perm: torch.Tensor, dead: torch.Tensor, damping: list) -> torch.Tensor:
+    """[B, 2d + 1] fp64: the order, dead columns and damping in one tensor (exact: d < 2^53)."""
+    damping = torch.tensor([[float("nan") if d is None else d] for d in damping], dtype=torch.float64,
+                           device=perm.device)
+    return torch.cat([perm.double(), dead.double(), damping], dim=1)
+
+
+def _unpack_order(meta: torch.Tensor, d: int) -> tuple[torch.Tensor, torch.Tensor, list]:
+    damping = [None if math.isnan(v) else v for v in meta[:, 2 * d].tolist()]
+    return meta[:, :d].long(), meta[:, d:2 * d].bool(), damping
+
+
+def order(hessian: torch.Tensor, actorder):
+    """Hessians [B, d, d] in fp32 in the solve's column order, dead columns' diagonals set to 1; the order,
+    the dead columns, and which Hessians no token reached."""
+    H = hessian.to(torch.float32).clone()
+    batch, cols, _ = H.shape
+    diag = torch.diagonal(H, dim1=-2, dim2=-1)
+    if actorder:
+        perm = torch.argsort(diag, dim=-1, descending=True)
+        H = torch.gather(H, -1, perm.unsqueeze(-2).expand(-1, cols, -1))
+        H = torch.gather(H, -2, perm.unsqueeze(-1).expand(-1, -1, cols))
+    else:
+        perm = torch.arange(cols, device=H.device).expand(batch, cols).contiguous()
+    diag = torch.diagonal(H, dim1=-2, dim2=-1)
+    dead = diag == 0
+    untouched = dead.all(dim=-1)
+    dead[untouched] = False
+    diag.masked_fill_(dead, 1)
+    return H, perm, dead, untouched
+
+
+def damp(h: torch.Tensor, frac: float) -> torch.Tensor:
+    damped = h.clone()
+    damped.diagonal().add_(frac * torch.mean(torch.diag(h)))
+    return damped
+
+
+def factor(hessian: torch.Tensor, actorder, dampening_frac: float = 0.01) -> Prepared | Factored:
+    """The first O(d^3) step for a batch of Hessians [B, d, d]: activation order, dead columns, and the
+    damped inverse's upper Cholesky factor; for wide ones (cholesky.cholesky_panels) only the Cholesky
+    factor, which `invert` completes. Not positive definite: retried with more damping. No token reached
+    it (all zero), or no damping helped: round-to-nearest (an identity factor)."""
+    H, perm, dead, untouched = order(hessian, actorder)
+    cols = H.shape[-1]
+    wide = bool(cholesky_panels(cols))
+    out, damping = torch.empty_like(H), []
+    for b in range(H.shape[0]):
+        f, frac = (None, None) if untouched[b] else _damped_factor(H[b], dampening_frac, wide)
+        out[b] = torch.eye(cols, device=H.device) if f is None else f
+        damping.append(None if f is None else frac)
+    return (Factored if wide else Prepared)(out, perm, dead, damping)
+
+
+@one_thread()
+def _damped_factor(h: torch.Tensor, frac: float, wide: bool) -> tuple[torch.Tensor | None, float]:
+    for attempt in range(DAMPING_RETRIES + 1):
+        f = frac if attempt == 0 else max(frac, 0.01) * 10**attempt
+        damped = damp(h, f)
+        if wide:  # in fp64: fp32 rounding here lands in the inverse factor's first rows, which GPTQ uses first
+            out = blocked_cholesky(reversed_columns(damped))
+            info = 0 if out is not None else 1
+        else:  # the peer's steps: Cholesky, inverse, Cholesky of the inverse
+            chol, info = torch.linalg.cholesky_ex(damped)
+            if info == 0:
+                out, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(chol), upper=True)
+        if info == 0:
+            return out, f
+    return None, frac
+
+
+def invert(factored: Prepared | Factored) -> Prepared:
+    """`factor`'s result made ready to solve, on one rank: for wide Hessians, the triangular inverse of
+    the Cholesky factor by the pieces that ranks can share."""
+    if isinstance(factored, Prepared):
+        return factored
+    cols = factored.chol.shape[-1]
+    hinv = torch.stack([assemble([inverse_rows(L, s, e) for s, e in inverse_pieces(cols)], cols)
+                        for L in factored.chol])
+    return Prepared(hinv, factored.perm, factored.dead, factored.damping)
+
+
+def prepare(hessian: torch.Tensor, actorder, dampening_frac: float = 0.01) -> Prepared:
+    """The O(d^3) part for a batch of Hessians [B, d, d]: `factor`, then `invert`."""
+    return invert(factor(hessian, actorder, dampening_frac))
+
+
+def solve(weight: torch.Tensor, prep: Prepared, args: QuantizationArgs, block_size: int = 128,
+          scale: torch.Tensor | None = None, zero_point: torch.Tensor | None = None) -> torch.Tensor:
+    """The O(rows * d^2) part for a batch [B, rows, d] of any rows (rows are independent given `prep`): the
+    fake-quantized weight. `scale`, `zero_point`: [B, rows, column groups] from `row_qparams` of the rows' modules;
+    omitted, they come from these rows alone (per-row strategies: channel, group)."""
+    if scale is None:
+        scale, zero_point = qparams(weight, args)
+        zero_point = None if args.symmetric else zero_point
+    batch, rows, cols = weight.shape
+    perm = prep.perm
+    W = torch.gather(weight.to(torch.float32), -1, perm.unsqueeze(-2).expand(-1, rows, -1))
+    g_idx = column_groups(cols, args, W.device)[perm]  # [B, d]
+    W.masked_fill_(prep.dead.unsqueeze(-2), 0)
+    Hinv = prep.hinv
+
+    column_args = copy(args)
+    column_args.strategy = QuantizationStrategy.CHANNEL
+    for i1 in range(0, cols, block_size):
+        i2 = min(i1 + block_size, cols)
+        window = g_idx[:, i1:i2].unsqueeze(-2).expand(-1, rows, -1)
+        col_scale = torch.gather(scale, -1, window)
+        col_zp = None if zero_point is None else torch.gather(zero_point, -1, window)
+        W1 = W[:, :, i1:i2].clone()
+        Err1 = torch.zeros_like(W1)
+        Hinv1 = Hinv[:, i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            w = W1[:, :, i]
+            q = fake_quantize(w.reshape(-1, 1), col_scale[:, :, i].reshape(-1, 1),
+                              None if col_zp is None else col_zp[:, :, i].reshape(-1, 1),
+                              column_args).reshape(batch, rows)
+            err = (w - q) / Hinv1[:, i, i].unsqueeze(-1)
+            W1[:, :, i] = q
+            Err1[:, :, i] = err
+            W1[:, :, i + 1:] -= err.unsqueeze(-1) * Hinv1[:, i, i + 1:].unsqueeze(-2)
+        W[:, :, i1:i2] = W1
+        W[:, :, i2:] -= torch.bmm(Err1, Hinv[:, i1:i2, i2:])
+
+    W = torch.gather(W, -1, torch.argsort(perm, dim=-1).unsqueeze(-2).expand(-1, rows, -1))
+    return W.to(weight.dtype)
+
+
+def quantize(weight: torch.Tensor, hessian: torch.Tensor, args: QuantizationArgs, block_size: int = 128,
+             dampening_frac: float = 0.01, fused_global_scale: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, QParams, Prepared]:
+    """GPTQ one weight matrix [rows, cols] against its normalized Hessian [cols, cols]; tensor group takes its
+    fusion group's global scale (default: its own)."""
+    g = fused_global_scale if fused_global_scale is not None else global_scale([weight], args)
+    q = QParams(*qparams(weight, args, g), g)
+    prep = prepare(hessian.unsqueeze(0), args.actorder, dampening_frac)
+    scale, zp = row_qparams(q, args, weight.shape[0])
+    w = solve(weight.unsqueeze(0), prep, args, block_size, scale[None], None if zp is None else zp[None])
+    return w[0], q, prep

@@ -1,0 +1,1 @@
+"""The surface: command line, Python API, status, export, pre-work checks."""

@@ -1,0 +1,208 @@
+"""`oneshot()`: the one code path behind the command line and the Python API."""
+
+import dataclasses
+import logging
+import os
+import socket
+import time
+
+import transformers
+
+from elastic_oneshot.distributed import signals
+from elastic_oneshot.distributed.world import World
+from elastic_oneshot.durability.boundaries import parse_every
+from elastic_oneshot.durability.destination import check_destination, export_to
+from elastic_oneshot.durability.records import Records, open_records
+from elastic_oneshot.durability.state import StateStore
+from elastic_oneshot.durability.storage import is_url
+from elastic_oneshot.errors import CorruptStateError, StaleEpochError, UsageError
+from elastic_oneshot.loop.data import calibration_samples
+from elastic_oneshot.loop.job import Job, job_record
+from elastic_oneshot.loop.runner import Runner
+from elastic_oneshot.models.default_model import default_model
+from elastic_oneshot.models.source import SourceModel
+from elastic_oneshot.quantization.plan import describe, layer_groups, make_plan
+from elastic_oneshot.quantization.recipe import Recipe, check_divisible
+from elastic_oneshot.quantization.recipe_loader import load_recipe
+from elastic_oneshot.surface.evaluate import perplexity
+from elastic_oneshot.surface.preflight import check_separate, check_seq_len, check_writable
+
+log = logging.getLogger("elastic_oneshot")
+
+
+def oneshot(model: str | None = None, dataset: str = "builtin", scheme: str = "W4A16",
+            num_calibration_samples: int = 128, max_seq_length: int = 512, output_dir: str | None = None,
+            state_dir: str | None = None, recipe=None, seed: int = 0,
+            text_column: str = "text", group_size: int | None = None, symmetric: bool = True,
+            actorder: str | None = "static", dampening_frac: float = 0.01, block_size: int = 128,
+            ignore: tuple[str, ...] = (), restart: bool = False, trust_remote_code_model: bool = False,
+            chunk_size: int = 8, eval_samples: int = 0, collective_timeout: float = 60.0,
+            moe_calibrate_all_experts: bool = True, coordinator: str | None = None,
+            attention: str = "eager", allow_long_seq: bool = False, boundary_every: str | int = "auto",
+            mtbf_s: float | None = None) -> str:
+    """Compress `model` with GPTQ, resumably; return the output directory.
+
+    Arguments mirror llmcompressor's `oneshot` where they mean the same. `recipe` is what llmcompressor takes
+    (a GPTQModifier, a list of modifiers, a YAML file or text; see recipe_loader) or a Recipe; without it, `scheme`
+    and the GPTQ arguments after `text_column` make one. `state_dir` holds the progress (default: `<output_dir>.state`;
+    a URL puts it on object storage: storage.py); calling again with the same arguments resumes. Under torchrun
+    every rank calls this with the same arguments; rank 0 writes the checkpoint. `coordinator` (etcd://HOST:PORT/
+    PREFIX) keeps epochs and commits in etcd. `allow_long_seq` permits `max_seq_length` past max_position_embeddings.
+    `boundary_every` (auto, 0 or N layers) and `mtbf_s` set how often activations are written (boundaries.py)."""
+    world = World(timeout_s=collective_timeout)
+    model = model or default_model()
+    recipe = _recipe(recipe, Recipe(scheme=scheme, group_size=group_size, symmetric=symmetric, actorder=actorder,
+                                    dampening_frac=dampening_frac, block_size=block_size,
+                                    ignore=("lm_head", *[i for i in ignore if i != "lm_head"])))
+    job = _sized(Job(model=os.path.abspath(model), recipe=recipe, num_samples=num_calibration_samples,
+                     dataset=os.path.abspath(dataset) if os.path.exists(dataset) else dataset,
+                     seq_len=max_seq_length, seed=seed, text_column=text_column, chunk_size=chunk_size,
+                     trust_remote_code=trust_remote_code_model, attention=attention,
+                     moe_calibrate="all" if moe_calibrate_all_experts else "routed"))
+    output_dir = output_dir or f"{os.path.basename(job.model.rstrip('/'))}-{recipe.scheme}"
+    state_dir = state_dir or f"{output_dir.rstrip('/')}.state"
+    job, state, records, source, record, by_layer = _open(job, state_dir, output_dir, coordinator,
+                                                          allow_long_seq, collective_timeout)
+    world.agree("the job (model, dataset, recipe and sampling arguments)", record["fingerprint"])
+    world.agree("the coordinator", job.coordinator)
+    runner = Runner(job, state, records, source, world, by_layer, parse_every(boundary_every), mtbf_s)
+    error = world.broadcast_object(_claim(state, records, record, job, restart) if world.rank == 0 else None)
+    if error:
+        raise UsageError(error)
+    records.attach(world.rank, world.size, source.num_layers)
+    fault = _record_faults(state, world, runner)
+
+    if eval_samples and world.rank == 0:
+        before = perplexity(job.model, dataset, eval_samples, job.seq_len, text_column)
+    try:
+        runner.run()
+    except StaleEpochError as e:
+        if world.rank == 0:
+            fault("stale", error=str(e))
+        raise
+    world.close()
+    records.detach()
+    if world.rank != 0:
+        return output_dir
+
+    export_to(state, records, output_dir, source)
+    log.info("wrote %s", output_dir)
+    if eval_samples:
+        _compare(before, output_dir, dataset, eval_samples, job.seq_len, text_column)
+    return output_dir
+
+
+def _compare(before: float, output_dir: str, dataset: str, samples: int, seq_len: int, text_column: str):
+    after = perplexity(output_dir, dataset, samples, seq_len, text_column)
+    print(f"perplexity on {samples} held-out samples: before {before:.3f}, after {after:.3f} (x{after / before:.4f})")
+
+
+def _sized(job: Job) -> Job:
+    if job.num_samples <= 0 or job.chunk_size <= 0:
+        raise UsageError("--num-samples and --chunk-size must be positive")
+    if job.seq_len < 2:
+        raise UsageError(f"--seq-len must be at least 2 tokens (got {job.seq_len})")
+    return job
+
+
+def _recipe(recipe, options: Recipe) -> Recipe:
+    """The recipe given, or the one the GPTQ options make; not both."""
+    if recipe is None:
+        return options
+    if options != Recipe():
+        raise UsageError("give either a recipe or GPTQ options (scheme, group size, asym, actorder, dampening, "
+                         "block size, ignore), not both")
+    return load_recipe(recipe)
+
+
+def _open(job: Job, state_dir: str, output_dir: str, coordinator: str | None, allow_long_seq: bool,
+          collective_timeout: float):
+    """Everything checkable before any work: where state and output go, the model's weights, the sequence
+    length, the output, the recipe against the model; then the state (an object store's retries within half the
+    collective timeout, so that peers wait them out), its records, the job's record and the quantized modules
+    per layer."""
+    local_state = None if is_url(state_dir) else state_dir  # an object store is checked by its first write
+    local_output = None if is_url(output_dir) else output_dir  # a prefix: check_destination
+    check_separate(model=job.model, state=local_state, output=local_output)
+    if local_state:
+        check_writable(state_dir, "--state")
+    if local_output:
+        check_writable(output_dir, "--output", beside=True)
+    state = StateStore(state_dir, retry_s=collective_timeout / 2)
+    records = open_records(state, coordinator)
+    job = dataclasses.replace(job, coordinator=records.url)  # given, or job.json's
+    source = SourceModel(job.model, job.trust_remote_code, job.attention)
+    source.check_weights()
+    check_seq_len(job.seq_len, source.config, allow_long_seq)
+    record = job_record(job, source.digest(), source.num_layers)
+    check_destination(output_dir, record["fingerprint"], state.root)
+    quantized = job.recipe.quantized_modules(source.skeleton)
+    check_divisible(job.recipe, source.linear_shapes(quantized))
+    return job, state, records, source, record, source.by_layer(quantized)
+
+
+def _record_faults(state: StateStore, world: World, runner: Runner):
+    """Faults this process sees go to events.jsonl, history for `status`: a SIGTERM (a spot notice) and a
+    silent rank seen by any rank; returns the recorder for the others. Never raises: it runs on the way out."""
+    def fault(kind: str, **fields):
+        try:
+            state.append_event({"event": kind, "time": time.time(), "epoch": runner.epoch, "rank": world.rank,
+                                "host": socket.gethostname(), **fields})
+        except Exception as e:  # a full or unreachable disk must not stop the way out
+            log.warning("could not record the %s event: %s", kind, e)
+
+    signals.on_request(lambda: fault("sigterm"))
+    world.on_lost = lambda reason: fault("liveness", reason=reason)
+    return fault
+
+
+def _claim(state: StateStore, records: Records, record: dict, job: Job, restart: bool) -> str | None:
+    """Rank 0: resume the state, or start the job there with freshly drawn calibration samples (which
+    also surfaces dataset errors before any foreign state is touched). Errors travel to every rank as text."""
+    try:
+        if not restart and state.holds(record):
+            log.info("state %s belongs to this job: resuming", state.root)
+            records.adopt(record, state.root)
+            if state.job()["job"].get("coordinator") != record["job"]["coordinator"]:
+                state.write_json("job.json", {**state.job(), "job": record["job"]})  # where readers find it
+            state.remove_debris()
+            _restore_tokens(state, job)
+            return None
+        state.claim(record, _draw(job), restart=restart)
+        records.claim(record, state.root)
+    except UsageError as e:
+        return str(e)
+    return None
+
+
+def _draw(job: Job):
+    """The job's calibration samples, drawn from its dataset: deterministic for the same dataset."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(job.model, trust_remote_code=job.trust_remote_code)
+    return calibration_samples(job.dataset, tokenizer, job.num_samples, job.seq_len, job.seed, job.text_column)
+
+
+def _restore_tokens(state: StateStore, job: Job):
+    """A lost or damaged tokens.safetensors is drawn again, and kept only if job.json's digest vouches for it:
+    the committed layers stay valid, where --restart would throw them away."""
+    try:
+        state.tokens()
+    except CorruptStateError as e:
+        log.warning("%s: drawing the calibration samples again from the dataset", e)
+        state.restore_tokens(_draw(job))
+
+
+def plan(model: str, world_size: int, recipe: Recipe | None = None, layers: int | None = None) -> list[str]:
+    """The weight-parallel GPTQ plan of every layer, as text; needs only the model's config.json."""
+    recipe = recipe or Recipe()
+    source = SourceModel(model)
+    names = recipe.quantized_modules(source.skeleton)
+    check_divisible(recipe, source.linear_shapes(names))
+    lines = [f"{source.config.model_type}: {source.num_layers} layers, {len(names)} GPTQ modules, world size "
+             f"{world_size}; modeled seconds per rank (one CPU thread each)"]
+    for index in range(source.num_layers if layers is None else min(layers, source.num_layers)):
+        prefix = f"{source.layer_prefix}{index}."
+        local = [n[len(prefix):] for n in names if n.startswith(prefix)]
+        p = make_plan(layer_groups(source.layers[index], local), world_size)
+        lines.append(f"layer {index}:")
+        lines.extend(describe(p))
+    return lines

@@ -1,0 +1,180 @@
+"""Command line: arguments only; everything else lives behind `api.oneshot`."""
+
+import argparse
+import errno
+import logging
+import os
+import sys
+
+from elastic_oneshot.errors import StaleEpochError, StorageError, UsageError
+from elastic_oneshot.surface.progress import close_all
+
+# recipe.PRESETS, spelled out so that parsing arguments imports no compressed-tensors
+SCHEMES = ("W8A8", "INT8", "W4AFP8", "FP8", "FP8_DYNAMIC", "FP8_BLOCK", "NVFP4A16", "NVFP4", "MXFP4A16", "MXFP4",
+           "MXFP8A16", "MXFP8", "W2A4", "W2A8", "W2A16", "W3A4", "W3A8", "W3A16", "W4A4", "W4A8", "W4A16", "W5A8",
+           "W5A16", "W6A8", "W6A16", "W7A8", "W7A16", "W8A16")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="elastic-oneshot", description="Elastic, resumable GPTQ compression.")
+    sub = p.add_subparsers(dest="command", required=True)
+    _run_arguments(sub.add_parser("run", help="compress a model (run again to resume)"))
+    _other_commands(sub)
+    return p
+
+
+def _run_arguments(run):
+    run.add_argument("--model", help="Hugging Face model directory (default: the embedded SmolLM2-135M)")
+    run.add_argument("--dataset", default="builtin",
+                     help="builtin, a .jsonl/.json/.txt/.parquet file, a save_to_disk directory, or a hub name")
+    run.add_argument("--text-column", default="text")
+    run.add_argument("--recipe", help="llmcompressor recipe: a YAML file (or text) with one GPTQModifier; "
+                     "replaces --scheme and the GPTQ options below")
+    run.add_argument("--scheme", default="W4A16", choices=SCHEMES, metavar="SCHEME",
+                     help="a compressed-tensors preset: W2A16..W8A16, W8A8 (INT8), W4A8, W4AFP8, FP8, FP8_DYNAMIC, "
+                          "FP8_BLOCK, NVFP4, NVFP4A16, MXFP4, MXFP4A16, MXFP8, MXFP8A16, W2A8..W7A8, W2A4..W4A4 "
+                          "(default W4A16)")
+    run.add_argument("--num-samples", type=int, default=128)
+    run.add_argument("--seq-len", type=int, default=512)
+    run.add_argument("--allow-long-seq", action="store_true",
+                     help="allow --seq-len past the model's context (max_position_embeddings)")
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--group-size", type=int, help="int weights: default the scheme's (128); -1 for per-channel")
+    run.add_argument("--asym", action="store_true", help="int weights: asymmetric quantization (with zero points)")
+    run.add_argument("--actorder", default="static", choices=["static", "none"])
+    run.add_argument("--dampening-frac", type=float, default=0.01)
+    run.add_argument("--block-size", type=int, default=128)
+    run.add_argument("--ignore", action="append", default=[],
+                     help="module name or re:pattern to leave unquantized (repeatable; lm_head always)")
+    run.add_argument("--chunk-size", type=int, default=8, help="calibration samples per chunk file")
+    run.add_argument("--attention", default="eager", choices=["eager", "sdpa"],
+                     help="eager reproduces llmcompressor's numerics; sdpa is faster, equal to the last bits")
+    run.add_argument("--moe-calibrate", default="all", choices=["all", "routed"],
+                     help="MoE: every expert calibrates on every token (all), or only on its routed tokens")
+    run.add_argument("--state", help="state directory, or an s3:// gs:// az:// URL (default: OUTPUT.state)")
+    run.add_argument("--output", help="output directory (default: MODEL-SCHEME)")
+    run.add_argument("--restart", action="store_true", help="discard a state directory of another job")
+    run.add_argument("--trust-remote-code", action="store_true")
+    run.add_argument("--eval-samples", type=int, default=0,
+                     help="print perplexity on this many held-out samples before and after")
+    run.add_argument("--boundary-every", default="auto", metavar="{auto,N,0}",
+                     help="write every rank's activations to the state every N layers (0: never), or when Young "
+                          "and Daly's interval says (auto); commits never wait for them (see docs/operations.md)")
+    run.add_argument("--mtbf", type=float, metavar="SECONDS",
+                     help="expected time between failures for --boundary-every auto (default: the job's own, "
+                          "from its restarts, else an hour)")
+    run.add_argument("--collective-timeout", type=float, default=60.0,
+                     help="seconds before a collective gives up on a silent rank (under torchrun)")
+    run.add_argument("--coordinator", metavar="URL",
+                     help="keep epochs and commits in etcd: etcd://HOST:PORT/PREFIX[?cacert=&cert=&key=&user="
+                          "&password=] (see elastic_oneshot/etcd_records.py); files stay in --state")
+
+
+
+def _other_commands(sub):
+    st = sub.add_parser("status", help="progress, ETA, world sizes, restarts and time lost, from a state directory")
+    st.add_argument("--state", required=True)
+    st.add_argument("--json", action="store_true", help="the same facts as JSON (one line per refresh)")
+    st.add_argument("--plot", metavar="PNG", help="also draw layer commits over time to this PNG")
+    st.add_argument("--watch", action="store_true", help="refresh until every layer is committed")
+
+    export = sub.add_parser("export", help="write the checkpoint of a finished state")
+    export.add_argument("--state", required=True)
+    export.add_argument("--output", required=True, help="a directory, or an object-store prefix (s3://...)")
+
+    pl = sub.add_parser("plan", help="preview the weight-parallel GPTQ plan without running")
+    pl.add_argument("--model", required=True, help="model directory, or just its config.json")
+    pl.add_argument("--world-size", type=int, required=True)
+    pl.add_argument("--scheme", default="W4A16", choices=SCHEMES, metavar="SCHEME")
+    pl.add_argument("--group-size", type=int)
+    pl.add_argument("--ignore", action="append", default=[])
+    pl.add_argument("--layers", type=int, default=None, help="show only the first N layers")
+
+    ev = sub.add_parser("eval", help="perplexity of a model over held-out samples")
+    ev.add_argument("--model", required=True)
+    ev.add_argument("--dataset", default="builtin")
+    ev.add_argument("--text-column", default="text")
+    ev.add_argument("--num-samples", type=int, default=16)
+    ev.add_argument("--seq-len", type=int, default=512)
+
+
+def main(argv=None) -> int:
+    from elastic_oneshot.distributed import signals
+
+    signals.install()  # before any other thread starts
+    args = _parser().parse_args(argv)
+    quiet = os.environ.get("RANK", "0") != "0"  # under torchrun only rank 0 reports progress
+    logging.basicConfig(level=logging.WARNING if quiet else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
+    try:
+        _command(args)
+    except UsageError as e:
+        return _fail(str(e), 2)
+    except StorageError as e:
+        return _fail(f"{e}: free space or make it writable, then run again to resume", 4)
+    except OSError as e:  # a file outside the state's own writes (the export's, the model's)
+        where = f" on {e.filename}" if e.filename else ""
+        return _fail(f"I/O error{where}: {e.strerror or e} ({errno.errorcode.get(e.errno, e.errno)}): fix it, "
+                     "then run again to resume", 4)
+    except signals.Preempted as e:
+        close_all()
+        logging.getLogger("elastic_oneshot").warning("%s; nothing partial was committed: run again to resume", e)
+        return signals.EXIT_CODE
+    except StaleEpochError as e:
+        close_all()
+        logging.getLogger("elastic_oneshot").error("fenced off: %s", e)
+        return 3
+    except RuntimeError as e:
+        from elastic_oneshot.distributed.world import rank_lost
+
+        if (reason := rank_lost(e)) is None:
+            raise
+        return _fail(f"another rank was lost ({reason}): leaving so that torchrun restarts the workers", 1)
+    return 0
+
+
+def _fail(message: str, code: int) -> int:
+    """The one line of an error (EXIT_CODES in docs/troubleshooting.md), below the progress bar, not on it."""
+    close_all()
+    print(f"elastic-oneshot: error: {message}", file=sys.stderr)
+    return code
+
+
+def _command(args):
+    if args.command == "run":
+        from elastic_oneshot.surface.api import oneshot
+
+        oneshot(model=args.model, dataset=args.dataset, scheme=args.scheme,
+                num_calibration_samples=args.num_samples, max_seq_length=args.seq_len,
+                output_dir=args.output, state_dir=args.state, seed=args.seed,
+                text_column=args.text_column, group_size=args.group_size, symmetric=not args.asym,
+                actorder=None if args.actorder == "none" else args.actorder,
+                dampening_frac=args.dampening_frac, block_size=args.block_size,
+                ignore=tuple(args.ignore), restart=args.restart,
+                trust_remote_code_model=args.trust_remote_code, chunk_size=args.chunk_size,
+                moe_calibrate_all_experts=args.moe_calibrate == "all", attention=args.attention,
+                eval_samples=args.eval_samples, collective_timeout=args.collective_timeout,
+                recipe=args.recipe, coordinator=args.coordinator, allow_long_seq=args.allow_long_seq,
+                boundary_every=args.boundary_every, mtbf_s=args.mtbf)
+    elif args.command == "export":
+        from elastic_oneshot.durability.destination import export_to
+        from elastic_oneshot.durability.records import open_records
+        from elastic_oneshot.durability.state import StateStore
+
+        state = StateStore(args.state)
+        print(export_to(state, open_records(state), args.output))
+    elif args.command == "plan":
+        from elastic_oneshot.quantization.recipe import Recipe
+        from elastic_oneshot.surface.api import plan
+
+        recipe = Recipe(scheme=args.scheme, group_size=args.group_size, ignore=("lm_head", *args.ignore))
+        print("\n".join(plan(args.model, args.world_size, recipe, args.layers)))
+    elif args.command == "status":
+        from elastic_oneshot.surface.status import show
+
+        show(args.state, as_json=args.json, plot=args.plot, watch=args.watch)
+    elif args.command == "eval":
+        from elastic_oneshot.surface.evaluate import perplexity
+
+        ppl = perplexity(args.model, args.dataset, args.num_samples, args.seq_len, args.text_column)
+        print(f"perplexity {ppl:.4f} on {args.num_samples} held-out samples of {args.seq_len} tokens")

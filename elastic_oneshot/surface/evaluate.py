@@ -1,0 +1,36 @@
+"""Perplexity over held-out samples (blocks the calibration never draws from)."""
+
+import math
+
+import torch
+import transformers
+
+from elastic_oneshot.errors import UsageError
+from elastic_oneshot.loop.data import heldout_samples
+
+
+@torch.inference_mode()
+def perplexity(model_dir: str, dataset: str = "builtin", num_samples: int = 16, seq_len: int = 512,
+               text_column: str = "text", batch_size: int = 4) -> float:
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+        config = transformers.AutoConfig.from_pretrained(model_dir)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            model_dir, **({"dtype": torch.bfloat16} if _fp4(config) else {})).eval()
+    except OSError as e:
+        raise UsageError(f"cannot load {model_dir}: {str(e).splitlines()[0]}") from None
+    ids = heldout_samples(dataset, tokenizer, num_samples, seq_len, text_column)
+    total, count = 0.0, 0
+    for batch in ids.split(batch_size):
+        logits = model(input_ids=batch).logits[:, :-1].float()
+        nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten(), reduction="sum")
+        total += nll.item()
+        count += batch[:, 1:].numel()
+    return math.exp(total / count)
+
+
+def _fp4(config) -> bool:
+    """compressed-tensors decompresses fp4 weights to bfloat16, which a float32 model cannot multiply."""
+    groups = (getattr(config, "quantization_config", None) or {}).get("config_groups") or {}
+    return any((g.get("weights") or {}).get("type") == "float" and g["weights"].get("num_bits") == 4
+               for g in groups.values())

@@ -1,0 +1,47 @@
+"""Checks that run before any work: a job that would fail hours later is refused at start, in one line."""
+
+import errno
+import os
+import tempfile
+
+from elastic_oneshot.errors import UsageError
+
+
+def check_separate(**paths: str):
+    """The model, state and output directories (keyword: the option's name) must not hold one another: an
+    export or a --restart replaces what is in its own directory."""
+    real = {name: os.path.realpath(path) for name, path in paths.items() if path}
+    for a, pa in real.items():
+        for b, pb in real.items():
+            if a < b and pa == pb:
+                raise UsageError(f"--{a} and --{b} are the same directory {pa}: give each its own")
+            if a != b and pb.startswith(pa.rstrip(os.sep) + os.sep):
+                raise UsageError(f"--{b} {pb} is inside --{a} {pa}: give them separate directories")
+
+
+def check_writable(path: str, option: str, beside: bool = False):
+    """Create and remove a file where the directory `path` (existing or to be made) will be written, or
+    `beside` it (an export is written next to its output, then moved into place)."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UsageError(f"{option} {path} is a file, not a directory: give a directory path")
+    where = os.path.abspath(path)
+    if beside:
+        where = os.path.dirname(where.rstrip(os.sep))
+    while not os.path.isdir(where):
+        where = os.path.dirname(where)
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".elastic-oneshot-probe-", dir=where)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        raise UsageError(f"{option} {path}: cannot create a file in {where} "
+                         f"({errno.errorcode.get(e.errno, e.errno)}: {e.strerror}): give a writable location") from None
+
+
+def check_seq_len(seq_len: int, config, allow_long: bool):
+    """Positions past the model's context were never trained: calibrating there is an explicit choice. An
+    image-text model's context is its language model's."""
+    limit = getattr(config.get_text_config(), "max_position_embeddings", None)
+    if limit and seq_len > limit and not allow_long:
+        raise UsageError(f"--seq-len {seq_len} exceeds the model's context of {limit} tokens "
+                         "(max_position_embeddings): lower it, or pass --allow-long-seq to calibrate past it")
