@@ -1,7 +1,4 @@
-import hashlib
-import os
-import subprocess
-import sys
+"""Fixtures the test modules share; shared helpers live in elastic_oneshot/testing (runs.py, tiny.py, ...)."""
 
 import pytest
 
@@ -13,35 +10,3 @@ def tiny_llama(tmp_path_factory):
     return make_model(str(tmp_path_factory.mktemp("models") / "llama"), "llama")
 
 
-def run_cli(*args, check=True, **kwargs) -> subprocess.CompletedProcess:
-    """`elastic-oneshot ARGS` in a fresh interpreter."""
-    proc = subprocess.run([sys.executable, "-m", "elastic_oneshot", *map(str, args)],
-                          capture_output=True, text=True, **kwargs)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"exit {proc.returncode}\n{proc.stderr[-3000:]}")
-    return proc
-
-
-def tree_digest(root) -> dict[str, str]:
-    """sha256 of every file under root, by relative path."""
-    out = {}
-    for dirpath, _, files in os.walk(root):
-        for f in files:
-            p = os.path.join(dirpath, f)
-            with open(p, "rb") as fh:
-                out[os.path.relpath(p, root)] = hashlib.sha256(fh.read()).hexdigest()
-    return out
-
-
-def torchrun_cmd(nproc: int, *args, max_restarts: int = 0, extra=()) -> list[str]:
-    """A single-node torchrun of `elastic-oneshot ARGS` (python -m torch.distributed.run is torchrun)."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            f"--max-restarts={max_restarts}", "--monitor-interval=0.2", *extra, "-m", "elastic_oneshot",
-            *map(str, args)]
-
-
-def one_thread_env() -> dict:
-    """Results are bitwise reproducible at a fixed thread count per rank (BLAS reductions depend on it).
-    Without TORCH_DISABLE_SHARE_RDZV_TCP_STORE, torch 2.13's restarted workers can read the previous
-    round's gloo addresses from the agent's reused store and fail to connect."""
-    return {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}

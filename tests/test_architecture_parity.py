@@ -4,12 +4,10 @@ that changes nothing for a mixture with shared experts."""
 import re
 
 import pytest
-from conftest import tree_digest
-from test_distributed import run_world
-from test_spine import int_codes
 
 from elastic_oneshot import oneshot
 from elastic_oneshot.testing.peer import run_peer
+from elastic_oneshot.testing.runs import int_codes, run_world, tree_digest
 from elastic_oneshot.testing.tiny import make_tiny
 
 SAMPLES, SEQ, GROUP = 16, 64, 32

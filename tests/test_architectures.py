@@ -35,7 +35,16 @@ REFUSED = {  # refused at start, before any work, with the reason
     "gpt2": ("dense", "has no stack of layers"),  # its blocks are `h`, of Conv1D projections
 }
 TOLERANCE = 0.6  # relative L2 error of the logits, 4-bit weights in groups of 32 on random weights
-ROWS: list[str] = []
+
+
+@pytest.fixture(scope="module")
+def table(request):
+    """The sweep's table, one row per type that ran, written after the module's last test whatever the order."""
+    rows: list[str] = []
+    yield rows
+    if rows:
+        with request.config.pluginmanager.getplugin("capturemanager").global_and_fixture_disabled():
+            print("\n" + "\n".join(sorted(rows)))
 
 
 def _codes(path: str) -> set[str]:
@@ -44,7 +53,7 @@ def _codes(path: str) -> set[str]:
 
 
 @pytest.mark.parametrize("model_type, moe", [(t, False) for t in DENSE] + [(t, True) for t in MOE])
-def test_compressed_loads_generates_and_stays_close(model_type, moe, tmp_path, caplog):
+def test_compressed_loads_generates_and_stays_close(model_type, moe, tmp_path, caplog, table):
     caplog.set_level(logging.INFO, "elastic_oneshot")
     model = make_tiny(str(tmp_path / model_type), model_type, moe=moe)
     source = SourceModel(model)
@@ -70,20 +79,20 @@ def test_compressed_loads_generates_and_stays_close(model_type, moe, tmp_path, c
     shared = [n for n in linears if ".shared_" in n and not n.endswith("_gate")]
     stored = {source.stored_name(f"{n}.weight").removesuffix(".weight") for n in routed + shared}
     assert stored <= codes and len(routed) == (2 * 4 * 3 if moe else 0)
-    ROWS.append(f"{model_type:18} {'moe' if moe else 'dense':5} {len(codes):4} quantized  {len(routed):3} routed "
+    table.append(f"{model_type:18} {'moe' if moe else 'dense':5} {len(codes):4} quantized  {len(routed):3} routed "
                 f"{len(shared):2} shared expert projections {len(dense):2} kept dense  logit error {err:.3f}")
     assert 0 < err < TOLERANCE
 
 
 @pytest.mark.parametrize("model_type", sorted(REFUSED))
-def test_unsupported_is_refused_at_start(model_type, tmp_path):
+def test_unsupported_is_refused_at_start(model_type, tmp_path, table):
     kind, reason = REFUSED[model_type]
     model = make_tiny(str(tmp_path / model_type), model_type, moe=kind == "moe")
     with pytest.raises(UsageError, match=reason) as e:
         oneshot(model=model, num_calibration_samples=8, max_seq_length=32, group_size=32,
                 output_dir=str(tmp_path / "out"))
     assert not os.path.exists(tmp_path / "out")
-    ROWS.append(f"{model_type:18} {kind:5} refused: {str(e.value)[:90]}")
+    table.append(f"{model_type:18} {kind:5} refused: {str(e.value)[:90]}")
 
 
 @pytest.mark.parametrize("model_type, dense", [
@@ -97,7 +106,7 @@ def test_routers_and_shared_expert_gates_stay_dense_by_default(model_type, dense
 
 
 @pytest.mark.parametrize("model_type", sorted(MULTIMODAL))
-def test_multimodal_language_model_compressed_vision_copied(model_type, tmp_path, caplog):
+def test_multimodal_language_model_compressed_vision_copied(model_type, tmp_path, caplog, table):
     """Qwen2.5-VL, Gemma 3 and Llama 4 (a mixture with a shared expert, experts stored fused) as image-text
     models: the language model calibrated on text and compressed, every other tensor (the vision tower and the
     projector included) copied byte for byte, loaded as the image-text model and generating."""
@@ -127,7 +136,7 @@ def test_multimodal_language_model_compressed_vision_copied(model_type, tmp_path
         assert all(torch.equal(f.get_tensor(k), g.get_tensor(k)) for k in copied)
     vision = [k for k in copied if "vision" in k or "visual" in k]
     assert len(vision) > 10
-    ROWS.append(f"{model_type:18} image {len(codes):4} quantized, {len(vision)} vision tensors copied, "
+    table.append(f"{model_type:18} image {len(codes):4} quantized, {len(vision)} vision tensors copied, "
                 f"{len(dense):2} kept dense  logit error {err:.3f}")
     assert 0 < err < TOLERANCE
 
@@ -188,5 +197,8 @@ def test_load_keys_agrees_with_transformers(tmp_path):
     assert load_keys(out, (names - {up}) | {"model.extra.weight"}) == ([up], ["model.extra.weight"])
 
 
-def test_zz_print_table():
-    print("\n" + "\n".join(ROWS))
+def test_sweep_lists_name_distinct_types_transformers_builds():
+    """Each type sits in one list of the sweep, and transformers knows it (a typo would test nothing)."""
+    listed = DENSE + MOE + sorted(REFUSED) + sorted(MULTIMODAL)
+    assert len(listed) == len(set(listed))
+    assert not [t for t in listed if t not in transformers.CONFIG_MAPPING]

@@ -6,11 +6,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from conftest import one_thread_env, run_cli, torchrun_cmd, tree_digest
 
 from elastic_oneshot.durability.boundaries import DEFAULT_MTBF_S, Boundaries, auto_interval, mtbf_from, parse_every
 from elastic_oneshot.durability.state import StateStore
 from elastic_oneshot.errors import UsageError
+from elastic_oneshot.testing.runs import one_thread_env, run_cli, torchrun_cmd, tree_digest
 from elastic_oneshot.testing.tiny import make_model
 
 

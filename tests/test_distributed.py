@@ -8,33 +8,21 @@ import subprocess
 import sys
 import time
 
-import psutil
 import pytest
-from conftest import one_thread_env, run_cli, torchrun_cmd, tree_digest
-from test_spine import int_codes
 
 from elastic_oneshot.models.source import SourceModel
 from elastic_oneshot.quantization.plan import StepKind, layer_groups, make_plan
 from elastic_oneshot.surface.evaluate import perplexity
+from elastic_oneshot.testing.runs import (
+    JOB,
+    one_thread_env,
+    run_world,
+    same_codes,
+    torchrun_cmd,
+    tree_digest,
+    workers,
+)
 from elastic_oneshot.testing.tiny import make_model
-
-JOB = ["--num-samples", 32, "--seq-len", 128, "--group-size", 64, "--chunk-size", 4]
-
-
-def run_world(world: int, model, out, job=JOB, **kw):
-    args = ["run", "--model", model, "--output", out, *job]
-    if world == 1:
-        return run_cli(*args, env=one_thread_env())
-    proc = subprocess.run(torchrun_cmd(world, *args, **kw), capture_output=True, text=True, env=one_thread_env())
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
-
-
-def same_codes(a, b) -> float:
-    ca, _ = int_codes(a)
-    cb, _ = int_codes(b)
-    assert ca.keys() == cb.keys()
-    return sum((ca[k] == cb[k]).sum().item() for k in ca) / sum(v.numel() for v in ca.values())
 
 
 @pytest.fixture(scope="module")
@@ -90,18 +78,6 @@ def test_more_ranks_than_chunks(tiny_llama, tmp_path):
 @pytest.fixture(scope="module")
 def deep_llama(tmp_path_factory):
     return make_model(str(tmp_path_factory.mktemp("models") / "llama8"), "llama", num_hidden_layers=8)
-
-
-def workers(launcher: subprocess.Popen) -> dict[int, psutil.Process]:
-    found = {}
-    for child in psutil.Process(launcher.pid).children(recursive=True):
-        try:
-            rank = child.environ().get("RANK")
-        except psutil.Error:
-            continue
-        if rank is not None and "elastic_oneshot" in " ".join(child.cmdline()):
-            found[int(rank)] = child
-    return found
 
 
 def test_killed_worker_restarts_and_output_is_identical(deep_llama, tmp_path):

@@ -12,9 +12,9 @@ import sys
 import time
 
 import pytest
-from conftest import run_cli, tree_digest
 
 from elastic_oneshot import oneshot
+from elastic_oneshot.testing.runs import run_cli, tree_digest
 from elastic_oneshot.testing.tiny import make_model, set_architecture
 
 JOB = dict(num_calibration_samples=48, max_seq_length=256, group_size=64, chunk_size=8)

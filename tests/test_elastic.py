@@ -9,9 +9,8 @@ import sys
 import time
 
 import pytest
-from conftest import one_thread_env, run_cli, tree_digest
-from test_distributed import same_codes
 
+from elastic_oneshot.testing.runs import one_thread_env, run_cli, same_codes, tree_digest
 from elastic_oneshot.testing.tiny import make_model
 from launch.chaos import Cluster
 

@@ -11,13 +11,12 @@ import time
 
 import psutil
 import pytest
-from conftest import one_thread_env, run_cli, tree_digest
-from test_spine import int_codes
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
 from elastic_oneshot.durability.etcd_records import EtcdRecords, parse_url, redact
 from elastic_oneshot.errors import StaleEpochError, UsageError
 from elastic_oneshot.testing.etcd_server import EtcdServer, make_tls
+from elastic_oneshot.testing.runs import int_codes, one_thread_env, run_cli, tree_digest
 from elastic_oneshot.testing.tiny import make_model
 
 JOB = ["--num-samples", 48, "--seq-len", 256, "--group-size", 64, "--chunk-size", 8]

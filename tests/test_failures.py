@@ -14,11 +14,11 @@ import time
 import psutil
 import pytest
 import torch
-from conftest import one_thread_env, run_cli, torchrun_cmd, tree_digest
 
 from elastic_oneshot.durability.state import StateStore
 from elastic_oneshot.errors import UsageError
 from elastic_oneshot.models.source import SourceModel
+from elastic_oneshot.testing.runs import one_thread_env, run_cli, torchrun_cmd, tree_digest
 from elastic_oneshot.testing.tiny import make_model
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

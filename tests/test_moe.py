@@ -9,15 +9,13 @@ import time
 import pytest
 import torch
 import transformers
-from conftest import one_thread_env, run_cli, torchrun_cmd
-from test_distributed import workers
-from test_spine import int_codes
 
 from elastic_oneshot import oneshot
 from elastic_oneshot.loop.data import heldout_samples
 from elastic_oneshot.models.moe import Experts
 from elastic_oneshot.models.source import SourceModel
 from elastic_oneshot.testing.peer import run_peer
+from elastic_oneshot.testing.runs import int_codes, one_thread_env, run_cli, torchrun_cmd, workers
 from elastic_oneshot.testing.tiny import make_moe, make_tiny, make_tiny_multimodal
 
 SAMPLES, SEQ, GROUP = 16, 128, 32

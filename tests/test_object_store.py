@@ -12,13 +12,13 @@ import time
 
 import obstore
 import pytest
-from conftest import run_cli, tree_digest
 
 from elastic_oneshot import oneshot
 from elastic_oneshot.durability.records import FileRecords
 from elastic_oneshot.durability.state import StateStore
 from elastic_oneshot.durability.storage import ObjectStorage, is_transient, is_url
 from elastic_oneshot.errors import StaleEpochError, StorageError, UsageError
+from elastic_oneshot.testing.runs import run_cli, tree_digest
 from elastic_oneshot.testing.s3_server import S3Server
 from elastic_oneshot.testing.tiny import make_model
 

@@ -5,8 +5,9 @@ import os
 import shutil
 
 import pytest
-from conftest import run_cli, tree_digest
 from safetensors.torch import load_file, save_file
+
+from elastic_oneshot.testing.runs import run_cli, tree_digest
 
 JOB = ["--num-samples", 8, "--seq-len", 16, "--chunk-size", 4, "--group-size", 64]
 

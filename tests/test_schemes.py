@@ -9,13 +9,12 @@ import pytest
 import torch
 import transformers
 import yaml
-from conftest import tree_digest
 from safetensors.torch import load_file
-from test_distributed import run_world
 
 from elastic_oneshot.loop.data import heldout_samples
 from elastic_oneshot.surface.evaluate import perplexity
 from elastic_oneshot.testing.peer import run_peer
+from elastic_oneshot.testing.runs import run_world, tree_digest
 from elastic_oneshot.testing.tiny import make_model
 
 SCHEMES = ["W8A8", "W4A8", "FP8", "FP8_DYNAMIC", "FP8_BLOCK", "NVFP4", "NVFP4A16", "MXFP4"]

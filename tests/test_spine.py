@@ -6,7 +6,6 @@ import os
 import pytest
 import torch
 import transformers
-from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
 from compressed_tensors.quantization import fake_quantize
 from safetensors.torch import load_file
 
@@ -15,15 +14,10 @@ from elastic_oneshot.loop.data import heldout_samples
 from elastic_oneshot.quantization import gptq
 from elastic_oneshot.quantization.recipe import Recipe
 from elastic_oneshot.testing.peer import run_peer
+from elastic_oneshot.testing.runs import int_codes
 from elastic_oneshot.testing.tiny import make_model
 
 SAMPLES, SEQ, GROUP = 32, 128, 128
-
-
-def int_codes(path):
-    tensors = load_file(os.path.join(path, "model.safetensors"))
-    return {k: unpack_from_int32(v, 4, tensors[k.replace("_packed", "_shape")])
-            for k, v in tensors.items() if k.endswith("weight_packed")}, tensors
 
 
 @pytest.fixture(scope="module")

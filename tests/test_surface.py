@@ -12,13 +12,13 @@ import time
 import matplotlib.image
 import pytest
 import torch
-from conftest import one_thread_env, run_cli, torchrun_cmd, tree_digest
 
 from elastic_oneshot import oneshot
 from elastic_oneshot.errors import UsageError
 from elastic_oneshot.quantization.recipe import Recipe
 from elastic_oneshot.quantization.recipe_loader import load_recipe
 from elastic_oneshot.surface.status import render, report
+from elastic_oneshot.testing.runs import one_thread_env, run_cli, torchrun_cmd, tree_digest
 from elastic_oneshot.testing.tiny import make_model
 
 JOB = ["--num-samples", 16, "--seq-len", 64, "--chunk-size", 4]
