@@ -1,6 +1,9 @@
 """Fixtures the test modules share; shared helpers live in elastic_oneshot/testing (runs.py, tiny.py, ...)."""
 
+import os
+
 import pytest
+import torch
 
 from elastic_oneshot.testing.tiny import make_model
 
@@ -10,3 +13,11 @@ def tiny_llama(tmp_path_factory):
     return make_model(str(tmp_path_factory.mktemp("models") / "llama"), "llama")
 
 
+def pytest_collection_modifyitems(config, items):
+    """`cuda` tests run only where a CUDA device is (ELASTIC_ONESHOT_TEST_DEVICE=cpu runs them on the CPU)."""
+    if torch.cuda.is_available() or os.environ.get("ELASTIC_ONESHOT_TEST_DEVICE") == "cpu":
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
