@@ -1,7 +1,13 @@
 """Boundaries written behind the commits (boundaries.py): the policy, the accounting of durable ones, and
 bits that do not depend on the machine's shape (thread count per rank, world size)."""
 
+import json
+import os
+import re
 import subprocess
+import sys
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -65,16 +71,68 @@ def test_every_n_and_never(tmp_path):
 
 
 def test_writes_one_in_flight_and_reports_it(tmp_path):
-    state = StateStore(str(tmp_path))
-    b = Boundaries(state, ThreadPoolExecutor(1), 1, 10, 2)
+    """A write that finished while the next one waited is reported at the next commit, not dropped (at
+    --boundary-every 1 no boundary ever became durable so)."""
+    state, io, gate = StateStore(str(tmp_path)), ThreadPoolExecutor(1), threading.Event()
+    b = Boundaries(state, io, 1, 10, 2)
     b.submit(1, 1, {0: torch.ones(2, 3), 1: torch.zeros(2, 3)})
+    io.submit(gate.wait)  # the I/O thread busy: the next write stays in flight
     b.submit(2, 1, {0: torch.ones(2, 3), 1: torch.zeros(2, 3)})  # waits for the first
-    first = b.settle([b.report({})])
-    assert first is None or first["layer"] == 1
+    assert b.settle([b.report({})])["layer"] == 1
+    gate.set()
     b.drain()
     done = b.settle([b.report({})])
     assert done["layer"] == 2 and sorted(done["chunks"]) == ["0", "1"]
     assert torch.equal(state.read_tensors(done["chunks"]["1"])["hidden_states"], torch.zeros(2, 3))
+    assert b.durable == [1, 2] and b.prunable() == 1
+
+
+@pytest.fixture(scope="module")
+def llama16(tmp_path_factory):
+    return make_model(str(tmp_path_factory.mktemp("models") / "llama16"), "llama", num_hidden_layers=16)
+
+
+def _commits(state) -> list[str]:
+    return sorted(n for n in os.listdir(state / "commits") if re.fullmatch(r"\d{5}\.e\d{5}\.json", n))
+
+
+def _durable(state) -> list[int]:
+    """The boundaries the commits on disk name, oldest first."""
+    named = []
+    for name in _commits(state):
+        with open(state / "commits" / name) as f:
+            boundary = json.load(f)["body"]["boundary"]
+        if boundary:
+            named.append(boundary["layer"])
+    return named
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("every", ["1", "2", "3", "auto"])
+def test_killed_after_some_commits_replays_from_the_newest_durable_boundary(every, llama16, tmp_path):
+    """Killed once 6 of 16 layers are committed: the restart replays from the newest boundary the commits
+    made durable (a bounded replay, never from the embeddings), and only the newest durable ones are kept.
+    `auto` is forced to one layer by a tiny --mtbf."""
+    out, state = tmp_path / "out", tmp_path / "state"
+    args = ["run", "--model", llama16, "--output", out, "--state", state, "--num-samples", 32, "--seq-len", 128,
+            "--chunk-size", 4, "--group-size", 64, "--boundary-every", every, *(["--mtbf", 1e-6] * (every == "auto"))]
+    proc = subprocess.Popen([sys.executable, "-m", "elastic_oneshot", *map(str, args)], env=one_thread_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    while not (state / "commits").is_dir() or len(_commits(state)) < 6:
+        assert proc.poll() is None, "finished before 6 commits"
+        time.sleep(0.005)
+    proc.kill()
+    proc.wait()
+    committed, durable = len(_commits(state)), _durable(state)
+    interval = 1 if every == "auto" else int(every)
+    assert durable and durable[-1] >= committed - interval - 1  # one due, one in flight at most behind
+    on_disk = sorted(int(d) for d in os.listdir(state / "boundaries"))
+    kept = [b for b in on_disk if b <= durable[-1]]  # newer ones are written but not durable yet
+    assert set(kept) <= set(durable[-3:]), (kept, durable)  # two kept, one more if killed before its pruning
+    resumed = run_cli(*args, env=one_thread_env()).stderr
+    start = durable[-1]
+    replayed = re.findall(r"replaying layers \d+\.\.\d+", resumed)
+    assert replayed == ([f"replaying layers {start}..{committed - 1}"] if start < committed else []), durable
 
 
 JOB = ["--num-samples", 16, "--seq-len", 64, "--group-size", 64, "--chunk-size", 4, "--boundary-every", 1]

@@ -75,6 +75,7 @@ class Boundaries:
         self.durable, self.mtbf_s = sorted(durable), mtbf_s
         self.last = self.durable[-1] if self.durable else 0  # the newest boundary written or durable
         self._pending: dict[int, dict] = {}  # chunk records of boundaries not yet complete
+        self._written: dict[int, dict] = {}  # this rank's finished writes not yet reported at a commit
         self._gathered: list[dict] | None = None
 
     def due(self, layer: int) -> bool:
@@ -94,11 +95,19 @@ class Boundaries:
 
     def submit(self, layer: int, epoch: int, chunks: dict[int, torch.Tensor]):
         """Write `chunks` (this rank's inputs of `layer`, host tensors never changed afterwards) behind the
-        computation, once the write in flight (if any) has finished: one in flight, bounded memory."""
+        computation, once the write in flight (if any) has finished: one in flight, bounded memory. The
+        finished write's records wait for the next commit, which makes that boundary durable."""
         if self._flight is not None:
             self._flight[1].result()
+            self._land()
         self._flight = (layer, self.io.submit(self._write, layer, epoch, chunks))
         self.last = layer
+
+    def _land(self):
+        """Move the write in flight, finished, to the records the next commit reports."""
+        layer, future = self._flight
+        self._flight = None
+        self._written[layer] = future.result()
 
     def _write(self, layer: int, epoch: int, chunks: dict[int, torch.Tensor]) -> dict:
         start = time.perf_counter()
@@ -108,13 +117,11 @@ class Boundaries:
         return records
 
     def report(self, seconds: dict) -> dict:
-        """This rank's part of a commit: its finished write, if any (a failed one raises: the state is not
+        """This rank's part of a commit: its finished writes (a failed one raises: the state is not
         writable), whether one is still in flight, and what its layer and last write took."""
-        written = {}
         if self._flight is not None and self._flight[1].done():
-            layer, future = self._flight
-            self._flight = None
-            written = {layer: future.result()}
+            self._land()
+        written, self._written = self._written, {}
         return {"written": written, "busy": self._flight is not None, "write_s": self._write_s, "seconds": seconds}
 
     def settle(self, reports: list[dict]) -> dict | None:
