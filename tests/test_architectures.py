@@ -6,7 +6,7 @@ shared-expert gates stay dense. Image-text models have their language model comp
 that are refused are refused at start, with the reason. The guard refuses a checkpoint that would load with
 missing tensors.
 
-What `source.default_ignores` names the recipe keeps dense without being told (no test passes `ignore`)."""
+What the family's `default_ignores` names the recipe keeps dense without being told (no test passes `ignore`)."""
 
 import json
 import logging
@@ -22,8 +22,9 @@ from safetensors import safe_open
 import elastic_oneshot.surface.export as export_module
 from elastic_oneshot import oneshot
 from elastic_oneshot.errors import UsageError
+from elastic_oneshot.models.family import Family
 from elastic_oneshot.models.loadable import load_keys
-from elastic_oneshot.models.source import SourceModel, default_ignores
+from elastic_oneshot.models.source import SourceModel
 from elastic_oneshot.testing.tiny import MULTIMODAL, make_tiny, make_tiny_multimodal
 
 DENSE = ["llama", "mistral", "ministral", "qwen2", "qwen3", "phi3", "olmo", "olmo2", "granite", "cohere", "starcoder2",
@@ -48,7 +49,7 @@ def test_compressed_loads_generates_and_stays_close(model_type, moe, tmp_path, c
     caplog.set_level(logging.INFO, "elastic_oneshot")
     model = make_tiny(str(tmp_path / model_type), model_type, moe=moe)
     source = SourceModel(model)
-    dense = default_ignores(source.skeleton)
+    dense = source.family.default_ignores(source.skeleton)
     out = oneshot(model=model, num_calibration_samples=8, max_seq_length=32, group_size=32, chunk_size=8,
                   output_dir=str(tmp_path / "out"))
     with open(os.path.join(out, "config.json")) as f:
@@ -92,8 +93,9 @@ def test_unsupported_is_refused_at_start(model_type, tmp_path):
 def test_routers_and_shared_expert_gates_stay_dense_by_default(model_type, dense, tmp_path):
     """Linear routers (PhiMoE's, HunYuan's) and shared experts' scalar gates, as vLLM builds them: unquantized.
     Routers that are not Linear modules (the others) are not quantized anyway."""
-    skeleton = SourceModel(make_tiny(str(tmp_path / model_type), model_type, moe=True)).skeleton
-    assert default_ignores(skeleton) == ["lm_head"] + [f"model.layers.{i}.{name}" for i in range(2) for name in dense]
+    source = SourceModel(make_tiny(str(tmp_path / model_type), model_type, moe=True))
+    expected = ["lm_head"] + [f"model.layers.{i}.{name}" for i in range(2) for name in dense]
+    assert source.family.default_ignores(source.skeleton) == expected
 
 
 @pytest.mark.parametrize("model_type", sorted(MULTIMODAL))
@@ -104,7 +106,7 @@ def test_multimodal_language_model_compressed_vision_copied(model_type, tmp_path
     caplog.set_level(logging.INFO, "elastic_oneshot")
     model = make_tiny_multimodal(str(tmp_path / model_type), model_type)
     source = SourceModel(model)
-    dense = default_ignores(source.skeleton)
+    dense = source.family.default_ignores(source.skeleton)
     out = oneshot(model=model, num_calibration_samples=8, max_seq_length=32, group_size=32, chunk_size=8,
                   output_dir=str(tmp_path / "out"))
     assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
@@ -167,7 +169,7 @@ def test_guard_names_what_would_be_missing(tmp_path, monkeypatch):
 def test_guard_refuses_a_model_transformers_cannot_initialize(tmp_path, monkeypatch):
     """PhiMoE's router, quantized (were it not kept dense by default): every key loads, but transformers' weight
     initialization needs its `weight`."""
-    monkeypatch.setattr("elastic_oneshot.quantization.recipe.default_ignores", lambda model: [])
+    monkeypatch.setattr(Family, "default_ignores", lambda self, skeleton: [])
     model = make_tiny(str(tmp_path / "phimoe"), "phimoe", moe=True)
     with pytest.raises(UsageError, match=r"not usable \(transformers cannot initialize the model it describes: "
                                          r"'PhimoeTopKRouter' object has no attribute 'weight'\)"):

@@ -67,12 +67,6 @@ def symmetric(lower: torch.Tensor) -> torch.Tensor:
     return lower.tril() + lower.tril(-1).mT
 
 
-# Sibling modules that vLLM fuses, so that with tensor-group scales (NVFP4) they share one global scale: the
-# peer's FUSED_LAYER_NAMES (llmcompressor/observers/helpers.py), grouped under their parent module.
-FUSED_LAYER_NAMES = (("gate_proj", "up_proj"), ("q_proj", "k_proj", "v_proj"), ("q_a_proj", "kv_a_proj_with_mqa"),
-                     ("w1", "w3"))
-
-
 class QParams(NamedTuple):
     """A module's quantization parameters, from its whole original weight, fixed during the solve."""
 
@@ -96,13 +90,14 @@ def global_scale(weights: list[torch.Tensor], args: QuantizationArgs) -> torch.T
     return generate_gparam(-absmax, absmax)
 
 
-def module_qparams(modules: dict[str, torch.nn.Module], args: dict[str, QuantizationArgs]) -> dict[str, QParams]:
+def module_qparams(modules: dict[str, torch.nn.Module], args: dict[str, QuantizationArgs],
+                   fused_scales: tuple[tuple[str, ...], ...]) -> dict[str, QParams]:
     """QParams of the modules named in `args` (names within one layer; `modules`: the layer's, with their
-    original weights), fusion groups sharing one global scale."""
+    original weights), the siblings of a fusion group (`fused_scales`: the family's) sharing one global scale."""
     fused = {}
     for name in args:
         parent, _, leaf = name.rpartition(".")
-        siblings = next((f for f in FUSED_LAYER_NAMES if leaf in f), ())
+        siblings = next((f for f in fused_scales if leaf in f), ())
         members = [f"{parent}.{s}" if parent else s for s in siblings]
         fused[name] = members if members and all(m in modules for m in members) else [name]
     out = {}

@@ -64,14 +64,16 @@ class LayerPacking:
     """A layer's quantized modules (`names`, in `modules`: the layer's; checkpoint names start with `prefix`):
     their schemes (`schemes`: by full name), weights, and qparams from the original weights (before any is
     replaced); and the packing of their solved groups with the static input activations' qparams (`ranges`: the
-    groups' input ranges over all ranks, calibration.Calibration's)."""
+    groups' input ranges over all ranks, calibration.Calibration's); `fused_scales`: the family's siblings that
+    share a global scale."""
 
-    def __init__(self, schemes: dict, prefix: str, modules: dict, names: list[str], ranges: dict):
+    def __init__(self, schemes: dict, prefix: str, modules: dict, names: list[str], ranges: dict,
+                 fused_scales: tuple[tuple[str, ...], ...]):
         self.prefix, self.ranges = prefix, ranges
         self.schemes = {n: schemes[prefix + n] for n in names}
         self.args = {n: s.weights for n, s in self.schemes.items()}
         self.weights = {n: modules[n].weight for n in names}
-        self.qparams = module_qparams(modules, self.args)
+        self.qparams = module_qparams(modules, self.args, fused_scales)
 
     def pack(self, group, weight: torch.Tensor) -> dict:
         inputs = input_qparams(self.schemes[group.name], self.ranges.get(group.name), weight.dtype)

@@ -22,7 +22,6 @@ from compressed_tensors.quantization.quant_config import get_vllm_module_type
 from compressed_tensors.utils import match_named_modules
 
 from elastic_oneshot.errors import UsageError
-from elastic_oneshot.models.source import default_ignores
 from elastic_oneshot.quantization.plan import input_groups
 from elastic_oneshot.quantization.schemes import (
     PRESETS,
@@ -102,12 +101,13 @@ class Recipe:
     def from_dict(cls, d: dict) -> "Recipe":
         return cls(**{**d, "targets": tuple(d["targets"]), "ignore": tuple(d["ignore"])})
 
-    def module_schemes(self, model) -> dict[str, QuantizationScheme]:
-        """Each quantized Linear's scheme, matched as the peer matches config groups, in module order; what
-        `source.default_ignores` keeps dense (routers, shared experts' gates, a vision tower) never. A module
-        matched by two groups, or modules sharing an input (fused by vLLM) with different schemes, are refused."""
+    def module_schemes(self, model: torch.nn.Module, family) -> dict[str, QuantizationScheme]:
+        """Each quantized Linear's scheme, matched as the peer matches config groups, in module order; what the
+        model's family (models.family.Family) keeps dense (routers, shared experts' gates, a vision tower) never.
+        A module matched by two groups, modules sharing an input (fused by vLLM) with different schemes, or a
+        group size that does not divide an input dimension are refused."""
         found, group_of = {}, {}
-        ignore = [*self.ignore, *default_ignores(model)] if hasattr(model, "get_decoder") else list(self.ignore)
+        ignore = [*self.ignore, *family.default_ignores(model)]
         for group, scheme in self.schemes.items():
             for name, module in match_named_modules(model, list(scheme.targets), ignore):
                 if not isinstance(module, torch.nn.Linear):
@@ -116,24 +116,20 @@ class Recipe:
                     raise UsageError(f"{name} is matched by config groups {group_of[name]} and {group}: "
                                      "make their targets disjoint")
                 found[name], group_of[name] = scheme, group
-        for names in input_groups(list(found), all_experts=True):
+        for names in input_groups(list(found), family.shared_inputs, all_experts=True):
             if len({group_of[n] for n in names}) > 1:
                 raise UsageError(f"{', '.join(names)} share their input but not their config group "
                                  f"({', '.join(sorted({group_of[n] for n in names}))}): give them one scheme")
         modules = dict(model.named_modules())
-        check_divisible(self, {n: tuple(modules[n].weight.shape) for n in found}, found)
+        _check_divisible(self, {n: tuple(modules[n].weight.shape) for n in found}, found)
         order = {name: i for i, name in enumerate(modules)}
         return {name: found[name] for name in sorted(found, key=order.get)}
 
-    def quantized_modules(self, model) -> list[str]:
-        """Names of the modules this recipe quantizes, matched as the peer matches them."""
-        return list(self.module_schemes(model))
-
-    def quantization_config(self, model) -> QuantizationConfig:
-        """The config the peer writes: one group per distinct scheme in module order, each with its format
-        (the top level's: that format, or mixed-precision), and as ignored every unquantized module of a
-        quantized type as vLLM counts types (MoE routers count as Linear)."""
-        schemes = self.module_schemes(model)
+    def quantization_config(self, model: torch.nn.Module, schemes: dict[str, QuantizationScheme]
+                            ) -> QuantizationConfig:
+        """The config the peer writes for `schemes` (module_schemes'): one group per distinct scheme in module
+        order, each with its format (the top level's: that format, or mixed-precision), and as ignored every
+        unquantized module of a quantized type as vLLM counts types (MoE routers count as Linear)."""
         modules = dict(model.named_modules())
         types = {get_vllm_module_type(type(modules[n]).__name__) for n in schemes}
         ignore = [name for name, m in modules.items()
@@ -150,16 +146,12 @@ class Recipe:
             quantization_status=QuantizationStatus.COMPRESSED, ignore=ignore)
 
 
-def check_divisible(recipe: Recipe, shapes: dict[str, tuple[int, int]], schemes: dict | None = None):
-    """Refuse a group size that does not divide an input dimension, naming the modules (`schemes`: each module's,
-    default: the recipe's one)."""
-    if schemes is None:
-        if len(recipe.schemes) > 1:
-            return  # Recipe.module_schemes checks each module against its own group
-        schemes = dict.fromkeys(shapes, recipe.weights)
+def _check_divisible(recipe: Recipe, shapes: dict[str, tuple[int, int]], schemes: dict[str, QuantizationScheme]):
+    """Refuse a group size that does not divide an input dimension, naming the modules, with a group size that
+    would (int presets) or the --ignore that leaves them out."""
     bad = {}
     for name, (_, cols) in shapes.items():
-        group = group_size(getattr(schemes[name], "weights", schemes[name]))
+        group = group_size(schemes[name].weights)
         if group and cols % group:
             bad[name] = (cols, group)
     if not bad:

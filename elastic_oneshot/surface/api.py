@@ -22,7 +22,7 @@ from elastic_oneshot.loop.runner import Runner
 from elastic_oneshot.models.default_model import default_model
 from elastic_oneshot.models.source import SourceModel
 from elastic_oneshot.quantization.plan import describe, layer_groups, make_plan
-from elastic_oneshot.quantization.recipe import Recipe, check_divisible
+from elastic_oneshot.quantization.recipe import Recipe
 from elastic_oneshot.quantization.recipe_loader import load_recipe
 from elastic_oneshot.surface.evaluate import perplexity
 from elastic_oneshot.surface.preflight import check_separate, check_seq_len, check_writable
@@ -136,8 +136,7 @@ def _open(job: Job, state_dir: str, output_dir: str, coordinator: str | None, al
     check_seq_len(job.seq_len, source.config, allow_long_seq)
     record = job_record(job, source.digest(), source.num_layers)
     check_destination(output_dir, record["fingerprint"], state.root)
-    quantized = job.recipe.quantized_modules(source.skeleton)
-    check_divisible(job.recipe, source.linear_shapes(quantized))
+    quantized = list(job.recipe.module_schemes(source.skeleton, source.family))
     return job, state, records, source, record, source.by_layer(quantized)
 
 
@@ -195,14 +194,13 @@ def plan(model: str, world_size: int, recipe: Recipe | None = None, layers: int 
     """The weight-parallel GPTQ plan of every layer, as text; needs only the model's config.json."""
     recipe = recipe or Recipe()
     source = SourceModel(model)
-    names = recipe.quantized_modules(source.skeleton)
-    check_divisible(recipe, source.linear_shapes(names))
+    names = list(recipe.module_schemes(source.skeleton, source.family))
     lines = [f"{source.config.model_type}: {source.num_layers} layers, {len(names)} GPTQ modules, world size "
              f"{world_size}; modeled seconds per rank (one CPU thread each)"]
     for index in range(source.num_layers if layers is None else min(layers, source.num_layers)):
         prefix = f"{source.layer_prefix}{index}."
         local = [n[len(prefix):] for n in names if n.startswith(prefix)]
-        p = make_plan(layer_groups(source.layers[index], local), world_size)
+        p = make_plan(layer_groups(source.layers[index], local, source.family.shared_inputs), world_size)
         lines.append(f"layer {index}:")
         lines.extend(describe(p))
     return lines

@@ -51,7 +51,8 @@ def export(state: StateStore, records: Records, output: str, source: SourceModel
         if os.path.isfile(src) and fname not in ("config.json", MARKER) and not fname.endswith(WEIGHT_SUFFIXES):
             shutil.copyfile(src, os.path.join(partial, fname))
     shutil.copyfile(os.path.join(source.path, "config.json"), os.path.join(partial, "config.json"))
-    quantization = job.recipe.quantization_config(source.skeleton)
+    quantization = job.recipe.quantization_config(source.skeleton, job.recipe.module_schemes(source.skeleton,
+                                                                                              source.family))
     ModelCompressor(quantization_config=quantization).update_config(partial)
     check_loadable(partial, source, quantization, job.trust_remote_code)
     _write_marker(partial, fingerprint, sorted(set(os.listdir(partial)) - {MARKER}))
