@@ -51,21 +51,21 @@ def _timed(seconds: dict, phase: str):
 
 
 class Runner:
-    """One rank's part of the job. `quantized` lists each layer's quantized modules (names local to the
-    layer); `boundary_every` and `mtbf_s` (None: the job's own, from its events) set how often boundaries
-    are written (boundaries.py)."""
+    """One rank's part of the job. `schemes`: each quantized module's (full name -> QuantizationScheme, the
+    recipe's module_schemes); `boundary_every` and `mtbf_s` (None: the job's own, from its events) set how often
+    boundaries are written (boundaries.py)."""
 
     def __init__(self, job: Job, state: StateStore, records: Records, source: SourceModel, world: World,
-                 quantized: list[list[str]], boundary_every: int | None = None, mtbf_s: float | None = None):
+                 schemes: dict, boundary_every: int | None = None, mtbf_s: float | None = None):
         self.job, self.state, self.records, self.source, self.world = job, state, records, source, world
         self.rank, self.device = world.rank, world.device
         self.epoch, self.committed = 0, {}  # set by begin_epoch(): this epoch, and layer -> epoch of its commit
-        self.schemes = job.recipe.module_schemes(source.skeleton, source.family)  # full name -> QuantizationScheme
+        self.schemes = schemes
         self.chunks = chunk_bounds(job.num_samples, job.chunk_size)
-        self.layer_modules = quantized
+        self.layer_modules = source.by_layer(list(schemes))  # per layer, names local to it
         self.io = _io_thread()  # solved groups; boundaries have their own, so a commit never queues behind one
         own = list(partition(len(self.chunks), world.size, self.rank))
-        self.inputs = LayerInputs(state, source, job.seq_len, self.schemes, quantized, self.chunks, own,
+        self.inputs = LayerInputs(state, source, job.seq_len, self.schemes, self.layer_modules, self.chunks, own,
                                   self.device, self.manifest, self.durable)
         self.boundaries = Boundaries(state, _io_thread(), boundary_every, source.num_layers, len(self.chunks))
         self.mtbf_s = mtbf_s
