@@ -45,3 +45,29 @@ def one_thread_env() -> dict:
     Without TORCH_DISABLE_SHARE_RDZV_TCP_STORE, torch 2.13's restarted workers can read the previous
     round's gloo addresses from the agent's reused store and fail to connect."""
     return {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+def packed_modules(checkpoint: str) -> set[str]:
+    """The modules a compressed checkpoint holds packed (weight_packed), by its names."""
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(checkpoint, "model.safetensors"), "pt") as f:
+        return {k.removesuffix(".weight_packed") for k in f.keys() if k.endswith(".weight_packed")}
+
+
+def check_compressed(model: str, out: str, auto_class=None) -> float:
+    """The sweep's checks of a checkpoint compressed from `model` (tests/test_architectures.py): transformers loads
+    it (as `auto_class`, a causal LM by default) with nothing missing or unexpected, and it generates. Returns the
+    relative error of its logits against the original's, for the caller's tolerance."""
+    import torch
+    import transformers
+
+    auto_class = auto_class or transformers.AutoModelForCausalLM
+    quantized, info = auto_class.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    original = auto_class.from_pretrained(model)
+    ids = torch.randint(3, 300, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        lo, lq = original(input_ids=ids).logits, quantized(input_ids=ids).logits
+    assert quantized.generate(input_ids=ids[:1, :4], max_new_tokens=3, do_sample=False).shape == (1, 7)
+    return (torch.linalg.norm(lq - lo) / torch.linalg.norm(lo)).item()

@@ -17,6 +17,7 @@ import sys
 import pytest
 import torch
 import transformers
+from conftest import check_compressed, packed_modules
 from safetensors import safe_open
 
 import elastic_oneshot.surface.export as export_module
@@ -39,11 +40,6 @@ TOLERANCE = 0.6  # relative L2 error of the logits, 4-bit weights in groups of 3
 ROWS: list[str] = []
 
 
-def _codes(path: str) -> set[str]:
-    with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
-        return {k.removesuffix(".weight_packed") for k in f.keys() if k.endswith(".weight_packed")}
-
-
 @pytest.mark.parametrize("model_type, moe", [(t, False) for t in DENSE] + [(t, True) for t in MOE])
 def test_compressed_loads_generates_and_stays_close(model_type, moe, tmp_path, caplog):
     caplog.set_level(logging.INFO, "elastic_oneshot")
@@ -57,15 +53,8 @@ def test_compressed_loads_generates_and_stays_close(model_type, moe, tmp_path, c
     # GPTQ everywhere: a round-to-nearest fallback means a layer calibrated on garbage (an unbuilt buffer)
     assert any(r.getMessage().startswith("wrote") for r in caplog.records)
     assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
-    quantized, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"], info
-    original = transformers.AutoModelForCausalLM.from_pretrained(model)
-    ids = torch.randint(3, 300, (2, 24), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        lo, lq = original(input_ids=ids).logits, quantized(input_ids=ids).logits
-    err = (torch.linalg.norm(lq - lo) / torch.linalg.norm(lo)).item()
-    assert quantized.generate(input_ids=ids[:1, :4], max_new_tokens=3, do_sample=False).shape == (1, 7)
-    codes = _codes(out)
+    err = check_compressed(model, out)
+    codes = packed_modules(out)
     linears = [n for n, m in source.skeleton.named_modules() if isinstance(m, torch.nn.Linear)]
     routed = [n for n in linears if ".experts." in n]
     shared = [n for n in linears if ".shared_" in n and not n.endswith("_gate")]
@@ -110,17 +99,10 @@ def test_multimodal_language_model_compressed_vision_copied(model_type, tmp_path
     out = oneshot(model=model, num_calibration_samples=8, max_seq_length=32, group_size=32, chunk_size=8,
                   output_dir=str(tmp_path / "out"))
     assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
-    quantized, info = transformers.AutoModelForImageTextToText.from_pretrained(out, output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"], info
-    original = transformers.AutoModelForImageTextToText.from_pretrained(model)
-    ids = torch.randint(3, 300, (2, 24), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        lo, lq = original(input_ids=ids).logits, quantized(input_ids=ids).logits
-    err = (torch.linalg.norm(lq - lo) / torch.linalg.norm(lo)).item()
-    assert quantized.generate(input_ids=ids[:1, :4], max_new_tokens=3, do_sample=False).shape == (1, 7)
+    err = check_compressed(model, out, transformers.AutoModelForImageTextToText)
     layers = [n for n, m in source.skeleton.named_modules() if isinstance(m, torch.nn.Linear)
               and n.startswith(source.layer_prefix) and n not in dense]
-    codes = _codes(out)
+    codes = packed_modules(out)
     assert codes == {source.stored_name(f"{n}.weight").removesuffix(".weight") for n in layers}
     fused = {stored for stored, _, _ in source.fused.values()}
     with safe_open(os.path.join(model, "model.safetensors"), "pt") as f, \
