@@ -48,7 +48,7 @@ def layer_flops(model: str, samples: int, seq_len: int) -> dict[str, float]:
     forward = sum(2 * m.in_features * m.out_features * tokens for _, m in linears) + attention
     modules = dict(linears)
     hessian, solve = 0, 0
-    for group in input_groups([n for n, _ in linears]):
+    for group in input_groups([n for n, _ in linears], source.family.shared_inputs):
         d = modules[group[0]].in_features
         rows = sum(modules[n].out_features for n in group)
         block = gptq.HESSIAN_BLOCK  # the lower triangle by row blocks, as computed

@@ -6,7 +6,7 @@ shared-expert gates stay dense. Image-text models have their language model comp
 that are refused are refused at start, with the reason. The guard refuses a checkpoint that would load with
 missing tensors.
 
-What `source.default_ignores` names the recipe keeps dense without being told (no test passes `ignore`)."""
+What the family's `default_ignores` names the recipe keeps dense without being told (no test passes `ignore`)."""
 
 import json
 import logging
@@ -22,8 +22,10 @@ from safetensors import safe_open
 import elastic_oneshot.surface.export as export_module
 from elastic_oneshot import oneshot
 from elastic_oneshot.errors import UsageError
+from elastic_oneshot.models.family import Family
 from elastic_oneshot.models.loadable import load_keys
-from elastic_oneshot.models.source import SourceModel, default_ignores
+from elastic_oneshot.models.source import SourceModel
+from elastic_oneshot.testing.runs import TOLERANCE, check_compressed, packed_modules
 from elastic_oneshot.testing.tiny import MULTIMODAL, make_tiny, make_tiny_multimodal
 
 DENSE = ["llama", "mistral", "ministral", "qwen2", "qwen3", "phi3", "olmo", "olmo2", "granite", "cohere", "starcoder2",
@@ -34,7 +36,6 @@ MOE = ["qwen3_moe", "qwen2_moe", "deepseek_v3", "glm4_moe", "qwen3_next", "olmoe
 REFUSED = {  # refused at start, before any work, with the reason
     "gpt2": ("dense", "has no stack of layers"),  # its blocks are `h`, of Conv1D projections
 }
-TOLERANCE = 0.6  # relative L2 error of the logits, 4-bit weights in groups of 32 on random weights
 
 
 @pytest.fixture(scope="module")
@@ -47,17 +48,12 @@ def table(request):
             print("\n" + "\n".join(sorted(rows)))
 
 
-def _codes(path: str) -> set[str]:
-    with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
-        return {k.removesuffix(".weight_packed") for k in f.keys() if k.endswith(".weight_packed")}
-
-
 @pytest.mark.parametrize("model_type, moe", [(t, False) for t in DENSE] + [(t, True) for t in MOE])
 def test_compressed_loads_generates_and_stays_close(model_type, moe, tmp_path, caplog, table):
     caplog.set_level(logging.INFO, "elastic_oneshot")
     model = make_tiny(str(tmp_path / model_type), model_type, moe=moe)
     source = SourceModel(model)
-    dense = default_ignores(source.skeleton)
+    dense = source.family.default_ignores(source.skeleton)
     out = oneshot(model=model, num_calibration_samples=8, max_seq_length=32, group_size=32, chunk_size=8,
                   output_dir=str(tmp_path / "out"))
     with open(os.path.join(out, "config.json")) as f:
@@ -65,15 +61,8 @@ def test_compressed_loads_generates_and_stays_close(model_type, moe, tmp_path, c
     # GPTQ everywhere: a round-to-nearest fallback means a layer calibrated on garbage (an unbuilt buffer)
     assert any(r.getMessage().startswith("wrote") for r in caplog.records)
     assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
-    quantized, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"], info
-    original = transformers.AutoModelForCausalLM.from_pretrained(model)
-    ids = torch.randint(3, 300, (2, 24), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        lo, lq = original(input_ids=ids).logits, quantized(input_ids=ids).logits
-    err = (torch.linalg.norm(lq - lo) / torch.linalg.norm(lo)).item()
-    assert quantized.generate(input_ids=ids[:1, :4], max_new_tokens=3, do_sample=False).shape == (1, 7)
-    codes = _codes(out)
+    err = check_compressed(model, out)
+    codes = packed_modules(out)
     linears = [n for n, m in source.skeleton.named_modules() if isinstance(m, torch.nn.Linear)]
     routed = [n for n in linears if ".experts." in n]
     shared = [n for n in linears if ".shared_" in n and not n.endswith("_gate")]
@@ -101,8 +90,9 @@ def test_unsupported_is_refused_at_start(model_type, tmp_path, table):
 def test_routers_and_shared_expert_gates_stay_dense_by_default(model_type, dense, tmp_path):
     """Linear routers (PhiMoE's, HunYuan's) and shared experts' scalar gates, as vLLM builds them: unquantized.
     Routers that are not Linear modules (the others) are not quantized anyway."""
-    skeleton = SourceModel(make_tiny(str(tmp_path / model_type), model_type, moe=True)).skeleton
-    assert default_ignores(skeleton) == ["lm_head"] + [f"model.layers.{i}.{name}" for i in range(2) for name in dense]
+    source = SourceModel(make_tiny(str(tmp_path / model_type), model_type, moe=True))
+    expected = ["lm_head"] + [f"model.layers.{i}.{name}" for i in range(2) for name in dense]
+    assert source.family.default_ignores(source.skeleton) == expected
 
 
 @pytest.mark.parametrize("model_type", sorted(MULTIMODAL))
@@ -113,21 +103,14 @@ def test_multimodal_language_model_compressed_vision_copied(model_type, tmp_path
     caplog.set_level(logging.INFO, "elastic_oneshot")
     model = make_tiny_multimodal(str(tmp_path / model_type), model_type)
     source = SourceModel(model)
-    dense = default_ignores(source.skeleton)
+    dense = source.family.default_ignores(source.skeleton)
     out = oneshot(model=model, num_calibration_samples=8, max_seq_length=32, group_size=32, chunk_size=8,
                   output_dir=str(tmp_path / "out"))
     assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
-    quantized, info = transformers.AutoModelForImageTextToText.from_pretrained(out, output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"], info
-    original = transformers.AutoModelForImageTextToText.from_pretrained(model)
-    ids = torch.randint(3, 300, (2, 24), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        lo, lq = original(input_ids=ids).logits, quantized(input_ids=ids).logits
-    err = (torch.linalg.norm(lq - lo) / torch.linalg.norm(lo)).item()
-    assert quantized.generate(input_ids=ids[:1, :4], max_new_tokens=3, do_sample=False).shape == (1, 7)
+    err = check_compressed(model, out, transformers.AutoModelForImageTextToText)
     layers = [n for n, m in source.skeleton.named_modules() if isinstance(m, torch.nn.Linear)
               and n.startswith(source.layer_prefix) and n not in dense]
-    codes = _codes(out)
+    codes = packed_modules(out)
     assert codes == {source.stored_name(f"{n}.weight").removesuffix(".weight") for n in layers}
     fused = {stored for stored, _, _ in source.fused.values()}
     with safe_open(os.path.join(model, "model.safetensors"), "pt") as f, \
@@ -176,7 +159,7 @@ def test_guard_names_what_would_be_missing(tmp_path, monkeypatch):
 def test_guard_refuses_a_model_transformers_cannot_initialize(tmp_path, monkeypatch):
     """PhiMoE's router, quantized (were it not kept dense by default): every key loads, but transformers' weight
     initialization needs its `weight`."""
-    monkeypatch.setattr("elastic_oneshot.quantization.recipe.default_ignores", lambda model: [])
+    monkeypatch.setattr(Family, "default_ignores", lambda self, skeleton: [])
     model = make_tiny(str(tmp_path / "phimoe"), "phimoe", moe=True)
     with pytest.raises(UsageError, match=r"not usable \(transformers cannot initialize the model it describes: "
                                          r"'PhimoeTopKRouter' object has no attribute 'weight'\)"):

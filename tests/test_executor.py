@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from elastic_oneshot.distributed.world import World
+from elastic_oneshot.models.family import Family
 from elastic_oneshot.quantization import cholesky, gptq
 from elastic_oneshot.quantization.executor import Executor
 from elastic_oneshot.quantization.plan import CostModel, Group, Plan, StepKind, _schedule, make_plan
@@ -113,7 +114,8 @@ def test_every_strategy_splits_rows_exactly(preset, small_pieces):
     plan = sliced(_schedule([group], 1, CostModel(), [group], True), [30, 50])
     weights, h = problem(group)
     args = dict.fromkeys(weights, recipe.weights)
-    qparams = gptq.module_qparams({n: types.SimpleNamespace(weight=w) for n, w in weights.items()}, args)
+    qparams = gptq.module_qparams({n: types.SimpleNamespace(weight=w) for n, w in weights.items()}, args,
+                                  Family.fused_scales)
     executor = Executor(World(), plan, [group], weights, recipe, 0, lambda solved: None, args, qparams)
     results = executor.run({group.name: h.clone()}, SAMPLES)
     prep = gptq.prepare((h / SAMPLES)[None], recipe.weights.actorder, recipe.dampening_frac)

@@ -236,7 +236,7 @@ def test_large_objects_go_in_parallel_parts(s3):
 @pytest.fixture(scope="module")
 def w1_reference(llama4, tmp_path_factory):
     """The W=1 run on one thread per rank, as the nodes run."""
-    from conftest import one_thread_env
+    from elastic_oneshot.testing.runs import one_thread_env
 
     out = tmp_path_factory.mktemp("w1") / "out"
     run_cli("run", "--model", llama4, "--output", out, *CLI_JOB, env=one_thread_env())

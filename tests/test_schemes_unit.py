@@ -10,11 +10,13 @@ import transformers
 from compressed_tensors.quantization import preset_name_to_scheme
 
 from elastic_oneshot.errors import UsageError
+from elastic_oneshot.models.family import Family, family_for
 from elastic_oneshot.quantization import gptq
-from elastic_oneshot.quantization.packing import compress_module, decompress_module, input_tensors
-from elastic_oneshot.quantization.recipe import PRESETS as ALL_PRESETS
+from elastic_oneshot.quantization.packing import compress_module, decompress_module
 from elastic_oneshot.quantization.recipe import Recipe
 from elastic_oneshot.quantization.recipe_loader import load_recipe
+from elastic_oneshot.quantization.schemes import PRESETS as ALL_PRESETS
+from elastic_oneshot.quantization.schemes import input_qparams
 from elastic_oneshot.surface.cli import SCHEMES
 
 # One preset per weight strategy and number type (W4A16_ASYM: zero points).
@@ -82,7 +84,7 @@ def test_fused_modules_share_one_global_scale():
         layer.mlp.up_proj.weight[0, 0] = 7.0  # the fusion group's maximum
     args = args_of("NVFP4")
     names = ["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
-    q = gptq.module_qparams(dict(layer.named_modules()), dict.fromkeys(names, args))
+    q = gptq.module_qparams(dict(layer.named_modules()), dict.fromkeys(names, args), Family.fused_scales)
     assert torch.equal(q["mlp.gate_proj"].global_scale, q["mlp.up_proj"].global_scale)
     assert torch.equal(q["mlp.up_proj"].global_scale, gptq.global_scale([torch.full((1,), 7.0)], args))
     assert not torch.equal(q["mlp.down_proj"].global_scale, q["mlp.up_proj"].global_scale)
@@ -132,9 +134,10 @@ def stage(modifier: str) -> str:
 def test_mixed_recipe_round_trips_and_writes_the_peers_config():
     recipe = load_recipe(stage(f"config_groups: {json.dumps(MIXED)}"))
     assert recipe.scheme == "custom" and Recipe.from_dict(json.loads(json.dumps(recipe.to_dict()))) == recipe
-    schemes = recipe.module_schemes(skeleton())
+    model = skeleton()
+    schemes = recipe.module_schemes(model, family_for(model.config))
     assert len(schemes) == 14 and schemes["model.layers.0.mlp.up_proj"].weights.strategy == "tensor_group"
-    config = recipe.quantization_config(skeleton())
+    config = recipe.quantization_config(model, schemes)
     assert config.format == "mixed-precision" and config.ignore == ["lm_head"]
     assert [g.format for g in config.config_groups.values()] == ["float-quantized", "nvfp4-pack-quantized"]
     assert config.config_groups["group_0"].weights.observer == "memoryless_minmax"
@@ -146,7 +149,7 @@ def test_presets_keep_the_job_identity():
     assert load_recipe(stage("scheme: NVFP4")) == Recipe(scheme="NVFP4")
     assert load_recipe(stage("scheme: INT8")) == Recipe(scheme="W8A8")
     assert Recipe(scheme="W8A8").weights.strategy == "channel"
-    assert SCHEMES == ALL_PRESETS  # the command line spells them out
+    assert tuple(SCHEMES) == ALL_PRESETS and "FP8_BLOCK" in SCHEMES  # the command line's are compressed-tensors'
 
 
 @pytest.mark.parametrize("groups, message", [
@@ -160,7 +163,7 @@ def test_presets_keep_the_job_identity():
 def test_conflicting_groups_are_refused(groups, message):
     recipe = load_recipe(stage(f"config_groups: {json.dumps(groups)}"))
     with pytest.raises(UsageError, match=message):
-        recipe.module_schemes(skeleton())
+        recipe.module_schemes(skeleton(), Family())
 
 
 @pytest.mark.parametrize("preset", ["FP8", "NVFP4"])
@@ -173,7 +176,7 @@ def test_static_input_qparams_equal_the_peers_observer(preset):
     for x in batches:
         observer(x)
     stats = torch.stack([torch.stack(batches).amin(), torch.stack(batches).amax()])
-    ours = input_tensors(scheme, stats, torch.float32)
+    ours = input_qparams(scheme, stats, torch.float32)
     theirs = observer.get_qparams()
     if preset == "FP8":
         assert torch.equal(ours["input_scale"], theirs["scale"]) and set(ours) == {"input_scale", "input_zero_point"}

@@ -41,16 +41,17 @@ def check_destination(output: str, fingerprint: str, state_root: str):
     storage.remove(probe)
 
 
-def export_to(state: StateStore, records: Records, output: str, source: SourceModel | None = None) -> str:
+def export_to(state: StateStore, records: Records, output: str, source: SourceModel | None = None,
+              schemes: dict | None = None) -> str:
     """export() to `output`, a local directory or an object-store prefix; returns `output`."""
     if not is_url(output):
-        return export(state, records, output, source)
+        return export(state, records, output, source, schemes)
     fingerprint = state.job()["fingerprint"]
     check_destination(output, fingerprint, state.root)
     scratch = tempfile.mkdtemp(prefix="elastic-oneshot-export-")
     try:
         local = os.path.join(scratch, "checkpoint")
-        export(state, records, local, source)
+        export(state, records, local, source, schemes)
         _upload(ObjectStorage(output.rstrip("/")), local, fingerprint)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

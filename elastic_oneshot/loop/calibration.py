@@ -13,7 +13,7 @@ import time
 import torch
 
 from elastic_oneshot.quantization import gptq
-from elastic_oneshot.quantization.recipe import static_inputs
+from elastic_oneshot.quantization.schemes import static_inputs
 
 
 class _Stop(Exception):

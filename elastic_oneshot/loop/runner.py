@@ -51,21 +51,21 @@ def _timed(seconds: dict, phase: str):
 
 
 class Runner:
-    """One rank's part of the job. `quantized` lists each layer's quantized modules (names local to the
-    layer); `boundary_every` and `mtbf_s` (None: the job's own, from its events) set how often boundaries
-    are written (boundaries.py)."""
+    """One rank's part of the job. `schemes`: each quantized module's (full name -> QuantizationScheme, the
+    recipe's module_schemes); `boundary_every` and `mtbf_s` (None: the job's own, from its events) set how often
+    boundaries are written (boundaries.py)."""
 
     def __init__(self, job: Job, state: StateStore, records: Records, source: SourceModel, world: World,
-                 quantized: list[list[str]], boundary_every: int | None = None, mtbf_s: float | None = None):
+                 schemes: dict, boundary_every: int | None = None, mtbf_s: float | None = None):
         self.job, self.state, self.records, self.source, self.world = job, state, records, source, world
         self.rank, self.device = world.rank, world.device
         self.epoch, self.committed = 0, {}  # set by begin_epoch(): this epoch, and layer -> epoch of its commit
-        self.schemes = job.recipe.module_schemes(source.skeleton)  # full module name -> QuantizationScheme
+        self.schemes = schemes
         self.chunks = chunk_bounds(job.num_samples, job.chunk_size)
-        self.layer_modules = quantized
+        self.layer_modules = source.by_layer(list(schemes))  # per layer, names local to it
         self.io = _io_thread()  # solved groups; boundaries have their own, so a commit never queues behind one
         own = list(partition(len(self.chunks), world.size, self.rank))
-        self.inputs = LayerInputs(state, source, job.seq_len, self.schemes, quantized, self.chunks, own,
+        self.inputs = LayerInputs(state, source, job.seq_len, self.schemes, self.layer_modules, self.chunks, own,
                                   self.device, self.manifest, self.durable)
         self.boundaries = Boundaries(state, _io_thread(), boundary_every, source.num_layers, len(self.chunks))
         self.mtbf_s = mtbf_s
@@ -164,7 +164,8 @@ class Runner:
     def reuse_solved(self, layer: int, module) -> tuple[dict, list[Group]]:
         """Sub-layer progress: the compressed tensors of the groups an earlier attempt solved, and the
         groups still to solve."""
-        groups = layer_groups(module, self.layer_modules[layer], self.job.moe_calibrate == "all")
+        groups = layer_groups(module, self.layer_modules[layer], self.source.family.shared_inputs,
+                              self.job.moe_calibrate == "all")
         records = self.world.broadcast_object(self.state.fence_solved(layer, self.epoch) if self.rank == 0 else None)
         tensors = {}
         for r in records:
@@ -207,7 +208,7 @@ class Runner:
         Returns the compressed tensors of these groups and this rank's notes."""
         modules, tensors, written = dict(layer_module.named_modules()), {}, set()
         packing = LayerPacking(self.schemes, f"{self.source.layer_prefix}{layer}.", modules, self.layer_modules[layer],
-                               calib.ranges)
+                               calib.ranges, self.source.family.fused_scales)
 
         def persist(solved: list):
             packed = {k: v for g, weight in solved for k, v in packing.pack(g, weight).items()}

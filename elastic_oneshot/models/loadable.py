@@ -20,7 +20,8 @@ from transformers.core_model_loading import WeightConverter, rename_source_key
 from transformers.quantizers.auto import get_hf_quantizer
 
 from elastic_oneshot.errors import UsageError
-from elastic_oneshot.models.source import SourceModel, _read_header, model_class
+from elastic_oneshot.models.family import family_for
+from elastic_oneshot.models.source import SourceModel, _read_header
 
 
 def check_loadable(directory: str, source: SourceModel, quantization: QuantizationConfig,
@@ -61,7 +62,7 @@ def _loader_model(directory: str, trust_remote_code: bool):
     config = transformers.AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
     quantizer, config, _ = get_hf_quantizer(config, None, None, True, {})
     with torch.device("meta"), contextlib.redirect_stderr(io.StringIO()):  # compressed-tensors' progress bars
-        model = model_class(config).from_config(config, trust_remote_code=trust_remote_code)
+        model = family_for(config).auto_class(config).from_config(config, trust_remote_code=trust_remote_code)
         if quantizer is not None:
             quantizer.preprocess_model(model=model, dtype=model.dtype, device_map=None, checkpoint_files=None,
                                        use_kernels=False)
@@ -76,7 +77,7 @@ def _load_keys(model, quantizer, names: set[str]) -> tuple[list[str], list[str]]
     loaded = {rename_source_key(n, renamings, converters, model.base_model_prefix, expected)[0] for n in names}
     for key in loaded & expected.keys():  # marked as the loader marks what it loaded: initialization skips them
         model.get_parameter_or_buffer(key)._is_hf_initialized = True
-    tied = getattr(model, "all_tied_weights_keys", None) or {}
+    tied = model.all_tied_weights_keys or {}
     info = types.SimpleNamespace(
         missing_keys={k for k in expected if k not in loaded and tied.get(k) not in loaded},
         unexpected_keys=loaded - expected.keys())

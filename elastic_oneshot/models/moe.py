@@ -14,13 +14,37 @@ still see every token).
 """
 
 import contextlib
+import dataclasses
 import functools
-import inspect
+from collections.abc import Callable
 
 import torch
 
 # A fused container's parameters, and the per-expert projections each holds (gate and up side by side).
 FUSED = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How a fused experts container holds and calls its experts, as its family says (models.family): weights as
+    (out, in) or transposed, gate and up concatenated or interleaved, biases or none, called with the routed
+    tokens or (`stacked`) with every token repeated once per expert; `gating` makes (gate, up) one activation."""
+
+    gating: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    transposed: bool = False
+    interleaved: bool = False
+    bias: bool = False
+    stacked: bool = False
+
+
+def default_gating(act_fn) -> Callable:
+    """transformers' default gating of experts: act(gate) * up."""
+    return functools.partial(_activated, act_fn)
+
+
+def own_gating(apply_gate, interleaved: bool) -> Callable:
+    """A container's own gating (GPT-OSS's clamped SwiGLU), called on the fused projection it expects."""
+    return functools.partial(_own_gating, apply_gate, interleaved)
 
 
 class RowsLinear(torch.nn.Linear):
@@ -32,12 +56,10 @@ class RowsLinear(torch.nn.Linear):
 
 
 def _activated(act_fn, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """transformers' default gating of experts: act(gate) * up."""
     return act_fn(gate) * up
 
 
 def _own_gating(apply_gate, interleaved: bool, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """A container's own gating (GPT-OSS's clamped SwiGLU), called on the fused projection it expects."""
     return apply_gate(torch.stack((gate, up), -1).flatten(-2) if interleaved else torch.cat((gate, up), -1))
 
 
@@ -55,45 +77,19 @@ class Expert(torch.nn.Module):
 
 class Experts(torch.nn.ModuleList):
     """A fused experts container as one Expert per index, called as the container is. It keeps the container's
-    layout (transposed, gate and up interleaved, biases), by which a checkpoint that stores it fused is split."""
+    layout, by which a checkpoint that stores it fused is split."""
 
     all_experts = False  # set by `experts_mode` during calibration passes with --moe-calibrate all
 
-    def __init__(self, fused: torch.nn.Module):
-        transposed, interleaved, bias = _layout(fused)
-        gate_up = fused.gate_up_proj.transpose(1, 2) if transposed else fused.gate_up_proj
+    def __init__(self, fused: torch.nn.Module, layout: Layout):
+        gate_up = fused.gate_up_proj.transpose(1, 2) if layout.transposed else fused.gate_up_proj
         num, intermediate2, hidden = gate_up.shape
-        if _own_gate(fused):
-            gating = functools.partial(_own_gating, fused._apply_gate, interleaved)
-        else:
-            gating = functools.partial(_activated, fused.act_fn)
-        super().__init__(Expert(hidden, intermediate2 // 2, gate_up.dtype, bias, gating) for _ in range(num))
-        self.transposed, self.interleaved, self.bias = transposed, interleaved, bias
-        self.stacked = _stacked(fused)
-        self.replaced = type(fused).__name__
-
-    @staticmethod
-    def replaces(module: torch.nn.Module) -> bool:
-        """A fused experts container as transformers declares them (`use_experts_implementation`): gate and up
-        in one 3D parameter, concatenated or interleaved, weights as (out, in) or transposed, biases or none, and
-        the default gating (act(gate) * up) or one that the class defines itself, called on the fused projection."""
-        gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
-        if not (isinstance(gate_up, torch.nn.Parameter) and isinstance(down, torch.nn.Parameter)
-                and gate_up.dim() == 3 and down.dim() == 3 and getattr(module, "has_gate", True)
-                and (_own_gate(module) or callable(getattr(module, "act_fn", None)))):
-            return False
-        transposed, _, bias = _layout(module)
-        if transposed:
-            gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
-        num, intermediate2, hidden = gate_up.shape
-        shapes = {"down_proj": ((num, hidden, intermediate2 // 2), down)}
-        if bias:
-            shapes.update(gate_up_proj_bias=((num, intermediate2), getattr(module, "gate_up_proj_bias", None)),
-                          down_proj_bias=((num, hidden), getattr(module, "down_proj_bias", None)))
-        return all(isinstance(t, torch.Tensor) and tuple(t.shape) == shape for shape, t in shapes.values())
+        super().__init__(Expert(hidden, intermediate2 // 2, gate_up.dtype, layout.bias, layout.gating)
+                         for _ in range(num))
+        self.layout = layout
 
     def forward(self, hidden_states: torch.Tensor, top_k_index=None, top_k_weights=None):
-        if self.stacked:
+        if self.layout.stacked:
             return self._stacked(hidden_states)
         out = torch.zeros_like(hidden_states)
         hit = torch.nn.functional.one_hot(top_k_index, len(self)).permute(2, 1, 0)
@@ -117,7 +113,7 @@ class Experts(torch.nn.ModuleList):
 
     def fused_parameters(self) -> list[str]:
         """The names of the container's fused parameters, as a checkpoint stores them."""
-        return [f"{name}{suffix}" for name in FUSED for suffix in ("", "_bias") if suffix == "" or self.bias]
+        return [f"{name}{suffix}" for name in FUSED for suffix in ("", "_bias") if suffix == "" or self.layout.bias]
 
     def unfused_names(self, name: str) -> list[str]:
         """The per-expert tensors (local names) that the container's fused parameter `name` holds."""
@@ -127,62 +123,23 @@ class Experts(torch.nn.ModuleList):
     def unfused(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
         """The per-expert tensors of the container's fused parameter `name`, from its value."""
         base = name.removesuffix("_bias")
-        if name == base and self.transposed:
+        if name == base and self.layout.transposed:
             tensor = tensor.transpose(1, 2)
         if base == "gate_up_proj":
-            parts = (tensor[:, 0::2], tensor[:, 1::2]) if self.interleaved else tensor.chunk(2, dim=1)
+            parts = (tensor[:, 0::2], tensor[:, 1::2]) if self.layout.interleaved else tensor.chunk(2, dim=1)
         else:
             parts = (tensor,)
         return dict(zip(self.unfused_names(name), (part[e].contiguous() for part in parts for e in range(len(self)))))
 
 
-def _layout(module: torch.nn.Module) -> tuple[bool, bool, bool]:
-    """A container's layout: transposed, gate and up interleaved, biases; as transformers declares it
-    (`use_experts_implementation`), or, for a container it does not declare (Llama 4's), transposed where only
-    that reading of the shapes fits."""
-    if hasattr(module, "is_transposed"):
-        return (module.is_transposed, not getattr(module, "is_concatenated", True), getattr(module, "has_bias", False))
-    return module.down_proj.shape[1] * 2 == module.gate_up_proj.shape[2], False, False
-
-
-def _stacked(module: torch.nn.Module) -> bool:
-    """Called with the tokens alone, repeated once per expert and weighted by its routing score (Llama 4)."""
-    return list(inspect.signature(module.forward).parameters) == ["hidden_states"]
-
-
-def _own_gate(module: torch.nn.Module) -> bool:
-    """The class defines its gating itself (a method has a qualified name; transformers' default is a function)."""
-    return "." in getattr(type(module), "_apply_gate", len).__qualname__
-
-
-def make_quantizable(model: torch.nn.Module):
-    """Replace every fused experts container in `model` (on any device, meta included)."""
+def make_quantizable(model: torch.nn.Module, layout_of: Callable[[torch.nn.Module], Layout | None]):
+    """Replace every fused experts container in `model` (on any device, meta included): each module for which
+    `layout_of` (the family's) gives a layout."""
     for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
-            if Experts.replaces(child):
-                setattr(module, child_name, Experts(child))
-
-
-def fused_experts(model: torch.nn.Module) -> list[str]:
-    """Experts containers left fused (a layout `Experts` does not take): no Linear-based quantization reaches them."""
-    return [name for name, m in model.named_modules()
-            if "expert" in type(m).__name__.lower() and any(p.dim() >= 3 for p in m.parameters(recurse=False))]
-
-
-def default_ignores(model: torch.nn.Module) -> list[str]:
-    """The Linear modules of MoE blocks that decide routing rather than compute: beside the experts, with one
-    output per expert (a router, such as PhiMoE's Linear `router` or HunYuan's `gate.wg`) or a single output (a
-    shared expert's gate, such as Qwen2-MoE's `shared_expert_gate`). vLLM builds them unquantized, and a
-    quantized router is one transformers cannot initialize (PhiMoE), so they stay dense, listed in `ignore`."""
-    out = []
-    for name, block in model.named_modules():
-        experts = getattr(block, "experts", None)
-        if not isinstance(experts, Experts):
-            continue
-        inside = {id(m) for m in experts.modules()}
-        out.extend(local for local, m in block.named_modules(prefix=name) if isinstance(m, torch.nn.Linear)
-                   and id(m) not in inside and m.out_features in (1, len(experts)))
-    return out
+            layout = layout_of(child)
+            if layout is not None:
+                setattr(module, child_name, Experts(child, layout))
 
 
 @contextlib.contextmanager

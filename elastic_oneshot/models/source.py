@@ -12,9 +12,8 @@ import transformers
 from safetensors import SafetensorError, safe_open
 
 from elastic_oneshot.errors import UsageError
-from elastic_oneshot.models import moe
-from elastic_oneshot.models.moe import fused_experts, make_quantizable
-from elastic_oneshot.models.stored_names import fused_in_checkpoint, stored_names, teach_loader
+from elastic_oneshot.models.family import family_for
+from elastic_oneshot.models.moe import make_quantizable
 
 
 def _read_header(path: str) -> bytes:
@@ -43,33 +42,8 @@ def _read_header(path: str) -> bytes:
 
 def teach_transformers(path: str):
     """Before transformers loads, in a new process, a checkpoint written here whose experts it only knows fused
-    (GPT-OSS, GraniteMoE: stored_names.teach_loader); for other types nothing is needed."""
+    (GPT-OSS, GraniteMoE: Family.teach_loader); for other types nothing is needed."""
     SourceModel(path)
-
-
-def default_ignores(skeleton: torch.nn.Module) -> list[str]:
-    """Linear modules kept in high precision whatever the recipe targets: those outside the language model's
-    decoder (a vision tower, a multimodal projector, lm_head), which calibration on text never reaches, and the
-    routers and gates of MoE blocks (moe.default_ignores)."""
-    inside = {id(m) for m in _decoder(skeleton).modules()}
-    outside = [n for n, m in skeleton.named_modules() if isinstance(m, torch.nn.Linear) and id(m) not in inside]
-    return outside + moe.default_ignores(skeleton)
-
-
-def _decoder(skeleton: torch.nn.Module) -> torch.nn.Module:
-    """The language model's decoder, through a causal LM nested in an image-text model (Llama 4's)."""
-    decoder = skeleton.get_decoder()
-    while not hasattr(decoder, "layers") and isinstance(getattr(decoder, "model", None), torch.nn.Module):
-        decoder = decoder.model  # a causal LM's body
-    return decoder
-
-
-def model_class(config) -> type:
-    """The Auto class that builds the whole model of `config`: an image-text model (its vision tower included)
-    where the config has a language model inside, a causal LM otherwise."""
-    if config.get_text_config() is not config:
-        return transformers.AutoModelForImageTextToText
-    return transformers.AutoModelForCausalLM
 
 
 def _build_buffers(skeleton: torch.nn.Module):
@@ -120,12 +94,13 @@ class SourceModel:
         self.dtype = self.config.dtype or torch.float32
         if isinstance(self.dtype, str):
             self.dtype = getattr(torch, self.dtype)
+        self.family = family_for(self.config)
         self.skeleton = self._skeleton(trust_remote_code, attention)
-        self.decoder = _decoder(self.skeleton)
-        self.layers = getattr(self.decoder, "layers", None)
-        if not isinstance(self.layers, torch.nn.ModuleList):
-            self._refuse(f"its decoder {type(self.decoder).__name__} has no stack of layers (.layers)")
-        fused = fused_experts(self.skeleton)
+        self.decoder = self.family.decoder(self.skeleton)
+        self.layers = self.family.layers(self.decoder)
+        if self.layers is None:
+            self._refuse(f"its decoder {type(self.decoder).__name__} has no stack of layers (.{self.family.stack})")
+        fused = self.family.unsplit_experts(self.skeleton)
         if fused:
             self._refuse(f"its experts {fused[0]} ({type(self.skeleton.get_submodule(fused[0])).__name__}) are "
                          "fused in a layout that cannot be split into Linear modules")
@@ -135,19 +110,19 @@ class SourceModel:
         """The causal LM on the meta device, its fused experts split into Linear modules."""
         try:
             with torch.device("meta"):
-                skeleton = model_class(self.config).from_config(
+                skeleton = self.family.auto_class(self.config).from_config(
                     self.config, dtype=self.dtype, attn_implementation=attention,
                     trust_remote_code=trust_remote_code)
         except (ValueError, KeyError, ImportError) as e:
             self._refuse(str(e).splitlines()[0] if str(e) else type(e).__name__)
-        make_quantizable(skeleton)
+        make_quantizable(skeleton, self.family.experts)
         _build_buffers(skeleton)
-        teach_loader(skeleton)
+        self.family.teach_loader(skeleton)
         return skeleton
 
     def _refuse(self, reason: str):
         """Support is what the layer-by-layer loop needs; a model that lacks it is refused before any work."""
-        arch = ",".join(getattr(self.config, "architectures", None) or [self.config.model_type])
+        arch = ",".join(self.config.architectures or [self.config.model_type])
         raise UsageError(f"architecture {arch} (model_type {self.config.model_type!r}) is not supported: {reason}")
 
     @property
@@ -172,7 +147,7 @@ class SourceModel:
         """Per-expert tensor name -> (the checkpoint's fused tensor holding it, its experts container, the
         container's parameter), for experts the checkpoint stores fused."""
         out = {}
-        for stored, (container, param) in fused_in_checkpoint(self.skeleton, self.files).items():
+        for stored, (container, param) in self.family.fused_in_checkpoint(self.skeleton, self.files).items():
             for local in self.skeleton.get_submodule(container).unfused_names(param):
                 out[f"{container}.{local}"] = (stored, container, param)
         return out
@@ -211,7 +186,7 @@ class SourceModel:
     @functools.cached_property
     def stored(self) -> dict[str, str]:
         """Skeleton tensor name -> the checkpoint's, where transformers' loader converts one into the other."""
-        return stored_names(self.skeleton, self.files)
+        return self.family.stored_names(self.skeleton, self.files)
 
     def stored_name(self, name: str) -> str:
         """The checkpoint's name for a skeleton tensor, or for one that the export writes in place of a weight
@@ -288,21 +263,19 @@ class SourceModel:
             out[int(index)].append(local)
         return out
 
-    def linear_shapes(self, names) -> dict[str, tuple[int, int]]:
-        modules = dict(self.skeleton.named_modules())
-        return {n: tuple(modules[n].weight.shape) for n in names}
-
 
 def _meta(module: torch.nn.Module):
     return (t.is_meta for t in list(module.parameters()) + list(module.buffers()))
 
 
 class _Catcher(torch.nn.Module):
-    """Stands in for a decoder layer: records the arguments it is called with, passes hidden states on."""
+    """Stands in for a decoder layer (with the attributes the decoder reads off it): records the arguments it is
+    called with, passes hidden states on."""
 
-    def __init__(self, layer, record: list):
+    def __init__(self, attributes: dict, record: list):
         super().__init__()
-        self.attention_type = getattr(layer, "attention_type", None)
+        for name, value in attributes.items():
+            setattr(self, name, value)
         self.record = record
 
     def forward(self, hidden_states, *args, **kwargs):
@@ -315,17 +288,18 @@ class Embedder:
     every decoder layer takes, produced by the model's own forward with the layers stubbed out."""
 
     def __init__(self, source: SourceModel):
-        decoder = source.decoder
+        decoder, family = source.decoder, source.family
         prefix = next(n for n, m in source.skeleton.named_modules() if m is decoder)
         shell = copy.deepcopy(decoder)
         self.record: list = []
-        shell.layers = torch.nn.ModuleList(_Catcher(layer, self.record) for layer in decoder.layers)
+        setattr(shell, family.stack, torch.nn.ModuleList(_Catcher(family.layer_attributes(layer), self.record)
+                                                         for layer in source.layers))
         shell.norm = torch.nn.Identity()
         shell.rotary_emb = type(decoder.rotary_emb)(config=decoder.config)
         self._load = lambda: source.load(decoder.embed_tokens, f"{prefix}.embed_tokens.")
         shell.embed_tokens = self._load()
         for name, child in decoder.named_children():  # other modules (Phi's final_layernorm), as stored
-            if name not in ("layers", "embed_tokens") and any(_meta(child)):
+            if name not in (family.stack, "embed_tokens") and any(_meta(child)):
                 setattr(shell, name, source.load(child, f"{prefix}.{name}."))
         if any(_meta(shell)):
             raise UsageError(f"{type(decoder).__name__} has parameters outside its modules: unsupported "

@@ -24,14 +24,12 @@ from transformers.core_model_loading import (
     WeightConverter,
     rename_source_key,
 )
-from transformers.quantizers.base import MODULES_TO_PATCH_FOR_QUANTIZATION
 
-from elastic_oneshot.models.moe import Experts
+from elastic_oneshot.models.moe import FUSED, Experts
 
-# The fused parameters that moe.Experts splits: the converter's operations that build each from per-expert weights
-# (stacked along dim 0, gate and up concatenated along dim 1), and the projection each of its sources becomes.
-FUSED = {"gate_up_proj": ([(MergeModulelist, 0), (Concatenate, 1)], ("gate_proj", "up_proj")),
-         "down_proj": ([(MergeModulelist, 0)], ("down_proj",))}
+# The operations of a converter that builds a fused parameter from per-expert weights (moe.FUSED): the experts
+# stacked along dim 0, gate and up concatenated along dim 1.
+STACKED = [(MergeModulelist, 0), (Concatenate, 1)]
 
 
 def stored_names(skeleton: torch.nn.Module, checkpoint_names) -> dict[str, str]:
@@ -50,13 +48,13 @@ def stored_names(skeleton: torch.nn.Module, checkpoint_names) -> dict[str, str]:
 def _per_expert(converter: WeightConverter) -> list[tuple[re.Pattern, str]]:
     """The converter as renamings of one expert's weights, if it builds a fused parameter that moe.Experts splits
     (in the layout it splits); none otherwise."""
-    target = converter._original_target_patterns
-    fused = FUSED.get(target[0].rpartition(".")[2]) if len(target) == 1 else None
-    ops = [(type(op), getattr(op, "dim", None)) for op in converter.operations]
-    if fused is None or ops != fused[0] or len(converter._original_source_patterns) != len(fused[1]):
+    target, sources, ops = converter.target_patterns, converter.source_patterns, converter.operations
+    projections = FUSED.get(target[0].rpartition(".")[2]) if len(target) == 1 else None
+    if projections is None or len(sources) != len(projections) or len(ops) != len(projections) or \
+            any(type(op) is not kind or op.dim != dim for op, (kind, dim) in zip(ops, STACKED)):
         return []
     pairs = []
-    for source, role in zip(converter._original_source_patterns, fused[1]):
+    for source, role in zip(sources, projections):
         leaf = re.search(r"experts\.\*\.(\w+)\.weight$", source)
         if leaf is None:
             return []
@@ -87,23 +85,22 @@ def fused_in_checkpoint(skeleton: torch.nn.Module, checkpoint_names) -> dict[str
 _taught: set[str] = set()
 
 
-def teach_loader(skeleton: torch.nn.Module):
+def teach_loader(skeleton: torch.nn.Module, experts: Experts):
     """Let transformers load per-expert weights (quantized or not) into the fused experts of `skeleton`'s type,
     where its own conversion mapping has no converter for them: the type's mapping plus one converter per fused
-    parameter (stacked, gate and up concatenated or interleaved, transposed, as the container lays them out)."""
-    model_type = skeleton.config.model_type
-    experts = next((m for m in skeleton.modules() if isinstance(m, Experts)), None)
-    if experts is None or model_type in _taught or experts.replaced in MODULES_TO_PATCH_FOR_QUANTIZATION:
-        return  # the last: a quantized load builds the container per expert itself (Llama 4's)
-    if any(_per_expert(t) for t in get_model_conversion_mapping(skeleton) if isinstance(t, WeightConverter)):
+    parameter (stacked, gate and up concatenated or interleaved, transposed, as `experts` lays them out). The one
+    change made to transformers' registry of conversions, once per type."""
+    model_type, layout = skeleton.config.model_type, experts.layout
+    if model_type in _taught or any(_per_expert(t) for t in get_model_conversion_mapping(skeleton)
+                                    if isinstance(t, WeightConverter)):
         return
-    gate_up = [MergeModulelist(0), Concatenate(1)] + ([Interleave(1, inverse=True)] if experts.interleaved else [])
-    transposed = [Transpose(1, 2)] if experts.transposed else []
+    gate_up = [MergeModulelist(0), Concatenate(1)] + ([Interleave(1, inverse=True)] if layout.interleaved else [])
+    transposed = [Transpose(1, 2)] if layout.transposed else []
     converters = [WeightConverter([".experts.*.gate_proj.weight", ".experts.*.up_proj.weight"],
                                   ".experts.gate_up_proj", gate_up + transposed),
                   WeightConverter(".experts.*.down_proj.weight", ".experts.down_proj",
                                   [MergeModulelist(0)] + transposed)]
-    if experts.bias:
+    if layout.bias:
         converters += [WeightConverter([".experts.*.gate_proj.bias", ".experts.*.up_proj.bias"],
                                        ".experts.gate_up_proj_bias", gate_up),
                        WeightConverter(".experts.*.down_proj.bias", ".experts.down_proj_bias", [MergeModulelist(0)])]

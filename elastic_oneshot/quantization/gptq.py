@@ -13,17 +13,13 @@ three fp32 steps).
 
 import dataclasses
 import math
-from copy import copy
 from typing import NamedTuple
 
 import torch
-from compressed_tensors.quantization import QuantizationArgs, QuantizationStrategy, fake_quantize
-from compressed_tensors.quantization.utils import (
-    calculate_qparams,
-    generate_gparam,
-    maybe_pad_tensor_for_block_quant,
-)
+from compressed_tensors.quantization import QuantizationArgs, fake_quantize
+from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
 
+from elastic_oneshot.quantization import schemes
 from elastic_oneshot.quantization.cholesky import (
     assemble,
     blocked_cholesky,
@@ -71,13 +67,6 @@ def symmetric(lower: torch.Tensor) -> torch.Tensor:
     return lower.tril() + lower.tril(-1).mT
 
 
-# Sibling modules that vLLM fuses, so that with tensor-group scales (NVFP4) they share one global scale: the
-# peer's FUSED_LAYER_NAMES (llmcompressor/observers/helpers.py), grouped under their parent module.
-FUSED_LAYER_NAMES = (("gate_proj", "up_proj"), ("q_proj", "k_proj", "v_proj"), ("q_a_proj", "kv_a_proj_with_mqa"),
-                     ("w1", "w3"))
-GROUPED = (QuantizationStrategy.GROUP, QuantizationStrategy.TENSOR_GROUP)
-
-
 class QParams(NamedTuple):
     """A module's quantization parameters, from its whole original weight, fixed during the solve."""
 
@@ -86,42 +75,29 @@ class QParams(NamedTuple):
     global_scale: torch.Tensor | None = None  # tensor group: [1] fp32, shared across the fusion group
 
 
-def _observed(weight: torch.Tensor, args: QuantizationArgs) -> torch.Tensor:
-    """The weight as the peer's observer flattens it: one qparam per row of the result (blocks zero-padded)."""
-    if args.strategy == QuantizationStrategy.TENSOR:
-        return weight.reshape(1, -1)
-    if args.strategy in GROUPED:
-        return weight.unflatten(-1, (-1, args.group_size))
-    if args.strategy == QuantizationStrategy.BLOCK:
-        height, width = args.block_structure
-        padded = maybe_pad_tensor_for_block_quant(weight, tuple(args.block_structure))
-        rows, cols = padded.shape
-        return padded.reshape(rows // height, height, cols // width, width).transpose(1, 2).flatten(-2)
-    return weight.unsqueeze(-2)
-
-
 def qparams(weight: torch.Tensor, args: QuantizationArgs, global_scale: torch.Tensor | None = None
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale and zero point from the weight's min and max per qparam (the peer's memoryless_minmax)."""
-    w = _observed(weight, args)
+    w = schemes.observed(weight, args)
     return calculate_qparams(w.amin(-1), w.amax(-1), args, global_scale)
 
 
 def global_scale(weights: list[torch.Tensor], args: QuantizationArgs) -> torch.Tensor | None:
     """Tensor group's global scale from the absolute maximum over a fusion group's weights; else None."""
-    if args.strategy != QuantizationStrategy.TENSOR_GROUP:
+    if not schemes.has_global_scale(args):
         return None
     absmax = torch.stack([torch.maximum(w.amax(), -w.amin()) for w in weights]).amax().reshape(1)
     return generate_gparam(-absmax, absmax)
 
 
-def module_qparams(modules: dict[str, torch.nn.Module], args: dict[str, QuantizationArgs]) -> dict[str, QParams]:
+def module_qparams(modules: dict[str, torch.nn.Module], args: dict[str, QuantizationArgs],
+                   fused_scales: tuple[tuple[str, ...], ...]) -> dict[str, QParams]:
     """QParams of the modules named in `args` (names within one layer; `modules`: the layer's, with their
-    original weights), fusion groups sharing one global scale."""
+    original weights), the siblings of a fusion group (`fused_scales`: the family's) sharing one global scale."""
     fused = {}
     for name in args:
         parent, _, leaf = name.rpartition(".")
-        siblings = next((f for f in FUSED_LAYER_NAMES if leaf in f), ())
+        siblings = next((f for f in fused_scales if leaf in f), ())
         members = [f"{parent}.{s}" if parent else s for s in siblings]
         fused[name] = members if members and all(m in modules for m in members) else [name]
     out = {}
@@ -134,12 +110,7 @@ def module_qparams(modules: dict[str, torch.nn.Module], args: dict[str, Quantiza
 def row_qparams(q: QParams, args: QuantizationArgs, rows: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per output row, the effective scale (divided by the global scale) and zero point (None if symmetric)
     of each column group (`column_groups`): any slice of rows can then be solved alone."""
-    scale, zp = q.scale, q.zero_point
-    if args.strategy == QuantizationStrategy.TENSOR:
-        scale, zp = scale.reshape(1, 1).expand(rows, 1), zp.reshape(1, 1).expand(rows, 1)
-    elif args.strategy == QuantizationStrategy.BLOCK:
-        index = torch.arange(rows, device=scale.device) // args.block_structure[0]
-        scale, zp = scale[index], zp[index]
+    scale, zp = schemes.per_row(q.scale, args, rows), schemes.per_row(q.zero_point, args, rows)
     if q.global_scale is not None:
         scale = scale / q.global_scale
     return scale.contiguous(), None if args.symmetric else zp.contiguous()
@@ -147,9 +118,7 @@ def row_qparams(q: QParams, args: QuantizationArgs, rows: int) -> tuple[torch.Te
 
 def column_groups(cols: int, args: QuantizationArgs, device=None) -> torch.Tensor:
     """[cols]: the column group of each input column (0 for tensor and channel)."""
-    width = args.group_size if args.strategy in GROUPED else \
-        args.block_structure[1] if args.strategy == QuantizationStrategy.BLOCK else cols
-    return torch.arange(cols, device=device) // width
+    return torch.arange(cols, device=device) // schemes.column_width(args, cols)
 
 
 @dataclasses.dataclass
@@ -291,8 +260,7 @@ def solve(weight: torch.Tensor, prep: Prepared, args: QuantizationArgs, block_si
     W.masked_fill_(prep.dead.unsqueeze(-2), 0)
     Hinv = prep.hinv
 
-    column_args = copy(args)
-    column_args.strategy = QuantizationStrategy.CHANNEL
+    column_args = schemes.per_column(args)
     for i1 in range(0, cols, block_size):
         i2 = min(i1 + block_size, cols)
         window = g_idx[:, i1:i2].unsqueeze(-2).expand(-1, rows, -1)

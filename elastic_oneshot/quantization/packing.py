@@ -1,21 +1,14 @@
 """A layer's quantized weights in compressed-tensors form, written by the compressor of each module's format
-(recipe.module_format): packed when solved, with the module's static activation qparams, and unpacked for every
+(schemes.compressor): packed when solved, with the module's static activation qparams, and unpacked for every
 later forward pass (propagation and replay), so both see exactly the committed values."""
 
 import torch
-from compressed_tensors.compressors import BaseCompressor
-from compressed_tensors.compressors.mx_utils import decompress_mx_scale
 from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
-from compressed_tensors.quantization import DynamicType, QuantizationScheme
+from compressed_tensors.quantization import QuantizationScheme
 from compressed_tensors.quantization.lifecycle.forward import dequantize
-from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
 
 from elastic_oneshot.quantization.gptq import QParams, module_qparams
-from elastic_oneshot.quantization.recipe import module_format, static_inputs
-
-
-def _compressor(scheme: QuantizationScheme):
-    return BaseCompressor.get_value_from_registry(module_format(scheme))
+from elastic_oneshot.quantization.schemes import FP4_SCALES, compressor, input_qparams, module_format
 
 
 def compress_module(weight: torch.Tensor, q: QParams, inputs: dict, scheme: QuantizationScheme) -> dict:
@@ -26,35 +19,19 @@ def compress_module(weight: torch.Tensor, q: QParams, inputs: dict, scheme: Quan
              "weight_zero_point": q.zero_point.to(scheme.weights.zp_dtype), **inputs}
     if q.global_scale is not None:
         state["weight_global_scale"] = q.global_scale.to(torch.float32)
-    return _compressor(scheme).compress(state, scheme)
+    return compressor(scheme).compress(state, scheme)
 
 
 def decompress_module(tensors: dict, scheme: QuantizationScheme, dtype: torch.dtype) -> torch.Tensor:
     """The weight that a module's compressed tensors (by local name) stand for, exactly as solved. The FP4
     compressors decompress through bfloat16; here their codes and scales are dequantized in fp32 instead."""
-    fmt = module_format(scheme)
-    if fmt not in ("nvfp4-pack-quantized", "mxfp4-pack-quantized"):
-        return _compressor(scheme).decompress(tensors, scheme)["weight"].to(dtype)
-    packed, scale = tensors["weight_packed"], tensors["weight_scale"]
+    fp4_scale = FP4_SCALES.get(module_format(scheme))
+    if fp4_scale is None:
+        return compressor(scheme).decompress(tensors, scheme)["weight"].to(dtype)
+    packed, scale = tensors["weight_packed"], fp4_scale(tensors["weight_scale"])
     codes = unpack_fp4_from_uint8(packed, packed.shape[0], 2 * packed.shape[1], dtype=torch.float32)
-    scale = decompress_mx_scale(scale) if fmt == "mxfp4-pack-quantized" else scale
     return dequantize(codes, scale.to(torch.float32), args=scheme.weights, dtype=torch.float32,
                       global_scale=tensors.get("weight_global_scale")).to(dtype)
-
-
-def input_tensors(scheme: QuantizationScheme, observed: torch.Tensor | None, dtype: torch.dtype) -> dict:
-    """A module's static input activation tensors from its input's range over all ranks (`observed`: [min, max]),
-    as the peer's update_qparams stores them: scale (and zero point) by tensor, only the global scale for tensor
-    group's locally dynamic ones (NVFP4); none for dynamic ones."""
-    args = static_inputs(scheme)
-    if args is None:
-        return {}
-    lo, hi = observed[:1], observed[1:]
-    if args.dynamic == DynamicType.LOCAL:
-        absmax = torch.maximum(hi, -lo)
-        return {"input_global_scale": generate_gparam(-absmax, absmax)}
-    scale, zero_point = calculate_qparams(lo, hi, args)
-    return {"input_scale": scale.to(dtype), "input_zero_point": zero_point.to(args.zp_dtype)}
 
 
 def pack_group(prefix: str, group, weight: torch.Tensor, qparams: dict[str, QParams], inputs: dict,
@@ -77,7 +54,7 @@ def unpack_into(layer: torch.nn.Module, prefix: str, names: list[str], tensors: 
     modules = dict(layer.named_modules())
     for name in names:
         scheme = schemes[f"{prefix}{name}"]
-        params = _compressor(scheme).compression_param_names(scheme)
+        params = compressor(scheme).compression_param_names(scheme)
         packed = {k: tensors[f"{prefix}{name}.{k}"] for k in params if f"{prefix}{name}.{k}" in tensors}
         weight = decompress_module(packed, scheme, modules[name].weight.dtype)
         modules[name].weight = torch.nn.Parameter(weight, requires_grad=False)
@@ -87,15 +64,17 @@ class LayerPacking:
     """A layer's quantized modules (`names`, in `modules`: the layer's; checkpoint names start with `prefix`):
     their schemes (`schemes`: by full name), weights, and qparams from the original weights (before any is
     replaced); and the packing of their solved groups with the static input activations' qparams (`ranges`: the
-    groups' input ranges over all ranks, calibration.Calibration's)."""
+    groups' input ranges over all ranks, calibration.Calibration's); `fused_scales`: the family's siblings that
+    share a global scale."""
 
-    def __init__(self, schemes: dict, prefix: str, modules: dict, names: list[str], ranges: dict):
+    def __init__(self, schemes: dict, prefix: str, modules: dict, names: list[str], ranges: dict,
+                 fused_scales: tuple[tuple[str, ...], ...]):
         self.prefix, self.ranges = prefix, ranges
         self.schemes = {n: schemes[prefix + n] for n in names}
         self.args = {n: s.weights for n, s in self.schemes.items()}
         self.weights = {n: modules[n].weight for n in names}
-        self.qparams = module_qparams(modules, self.args)
+        self.qparams = module_qparams(modules, self.args, fused_scales)
 
     def pack(self, group, weight: torch.Tensor) -> dict:
-        inputs = input_tensors(self.schemes[group.name], self.ranges.get(group.name), weight.dtype)
+        inputs = input_qparams(self.schemes[group.name], self.ranges.get(group.name), weight.dtype)
         return pack_group(self.prefix, group, weight, self.qparams, inputs, self.schemes)

@@ -25,21 +25,19 @@ import re
 
 from elastic_oneshot.quantization.cholesky import cholesky_panels, inverse_pieces
 
-# Sibling modules that read the same input tensor, and so share one Hessian.
-SHARED_INPUTS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-
-
 EXPERT = re.compile(r"(.*\.experts)\.\d+\.(gate_proj|up_proj)$")
 
 
-def input_groups(names: list[str], all_experts: bool = False) -> list[list[str]]:
-    """Module names grouped by shared input, in first-appearance order. With all-experts calibration
-    every expert's gate and up projections read the same tokens: one group for all of them."""
+def input_groups(names: list[str], shared_inputs: tuple[tuple[str, ...], ...], all_experts: bool = False
+                 ) -> list[list[str]]:
+    """Module names grouped by shared input (`shared_inputs`: the family's sibling names that read one input),
+    in first-appearance order. With all-experts calibration every expert's gate and up projections read the
+    same tokens: one group for all of them."""
     groups: dict = {}
     for name in names:
         parent, _, leaf = name.rpartition(".")
         expert = EXPERT.match(name) if all_experts else None
-        key = (expert.group(1), "gate_up") if expert else next(((parent, s) for s in SHARED_INPUTS if leaf in s), name)
+        key = (expert.group(1), "gate_up") if expert else next(((parent, s) for s in shared_inputs if leaf in s), name)
         groups.setdefault(key, []).append(name)
     return list(groups.values())
 
@@ -89,11 +87,12 @@ class Group:
         return sum(r for _, r in self.modules)
 
 
-def layer_groups(layer, names: list[str], all_experts: bool = False) -> list[Group]:
+def layer_groups(layer, names: list[str], shared_inputs: tuple[tuple[str, ...], ...], all_experts: bool = False
+                 ) -> list[Group]:
     """The input groups of a decoder layer (a module, possibly on the meta device) for `names` in it."""
     modules = dict(layer.named_modules())
     return [Group(tuple((n, modules[n].out_features) for n in g), modules[g[0]].in_features)
-            for g in input_groups(names, all_experts)]
+            for g in input_groups(names, shared_inputs, all_experts)]
 
 
 class StepKind(enum.Enum):

@@ -3,7 +3,7 @@
 A recipe resolves to named quantization schemes (config groups), as llmcompressor's GPTQModifier resolves its
 `scheme` or `config_groups`: every compressed-tensors preset (int, FP8 by tensor, channel or block, NVFP4, MXFP4,
 MXFP8, with their activation settings) or groups of our own. What this tool would not do as the peer does is
-refused here, by name, before any work.
+refused by name before any work (schemes.check_scheme).
 """
 
 import dataclasses
@@ -11,30 +11,29 @@ import math
 import re
 
 import torch
-from compressed_tensors.compressors.format import infer_module_format
 from compressed_tensors.quantization import (
-    DynamicType,
     QuantizationArgs,
     QuantizationConfig,
     QuantizationScheme,
     QuantizationStatus,
-    QuantizationStrategy,
     preset_name_to_scheme,
 )
 from compressed_tensors.quantization.quant_config import get_vllm_module_type
-from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
 from compressed_tensors.utils import match_named_modules
 
 from elastic_oneshot.errors import UsageError
-from elastic_oneshot.models.source import default_ignores
 from elastic_oneshot.quantization.plan import input_groups
+from elastic_oneshot.quantization.schemes import (
+    PRESETS,
+    check_scheme,
+    group_size,
+    int_weights,
+    module_format,
+    with_observers,
+)
 
-# compressed-tensors' presets (W4A16_ASYM is W4A16 with --asym).
-PRESETS = tuple(name for name in PRESET_SCHEMES if name not in ("UNQUANTIZED", "W4A16_ASYM"))
 CUSTOM = "custom"  # the scheme of a recipe whose config_groups are not a preset
 ACTORDERS = {"static": "static", "weight": "static", "none": None}
-WEIGHT_OBSERVERS = {None, "minmax", "memoryless_minmax", "static_minmax"}  # identical on weights observed once
-WEIGHT_STRATEGIES = {"tensor", "channel", "group", "tensor_group", "block"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,10 +80,7 @@ class Recipe:
         w = scheme.weights
         if w.type == "int":
             group = self.group_size if self.group_size is not None else w.group_size or -1
-            scheme.weights = QuantizationArgs(
-                num_bits=w.num_bits, type=w.type, symmetric=self.symmetric,
-                strategy="channel" if group == -1 else "group", group_size=None if group == -1 else group,
-                actorder=self.actorder, observer="memoryless_minmax", dynamic=False)
+            scheme.weights = int_weights(w, group, self.symmetric, self.actorder)
         else:
             w.actorder = self.actorder
         return {"group_0": with_observers(scheme)}
@@ -105,12 +101,13 @@ class Recipe:
     def from_dict(cls, d: dict) -> "Recipe":
         return cls(**{**d, "targets": tuple(d["targets"]), "ignore": tuple(d["ignore"])})
 
-    def module_schemes(self, model) -> dict[str, QuantizationScheme]:
-        """Each quantized Linear's scheme, matched as the peer matches config groups, in module order; what
-        `source.default_ignores` keeps dense (routers, shared experts' gates, a vision tower) never. A module
-        matched by two groups, or modules sharing an input (fused by vLLM) with different schemes, are refused."""
+    def module_schemes(self, model: torch.nn.Module, family) -> dict[str, QuantizationScheme]:
+        """Each quantized Linear's scheme, matched as the peer matches config groups, in module order; what the
+        model's family (models.family.Family) keeps dense (routers, shared experts' gates, a vision tower) never.
+        A module matched by two groups, modules sharing an input (fused by vLLM) with different schemes, or a
+        group size that does not divide an input dimension are refused."""
         found, group_of = {}, {}
-        ignore = [*self.ignore, *default_ignores(model)] if hasattr(model, "get_decoder") else list(self.ignore)
+        ignore = [*self.ignore, *family.default_ignores(model)]
         for group, scheme in self.schemes.items():
             for name, module in match_named_modules(model, list(scheme.targets), ignore):
                 if not isinstance(module, torch.nn.Linear):
@@ -119,24 +116,20 @@ class Recipe:
                     raise UsageError(f"{name} is matched by config groups {group_of[name]} and {group}: "
                                      "make their targets disjoint")
                 found[name], group_of[name] = scheme, group
-        for names in input_groups(list(found), all_experts=True):
+        for names in input_groups(list(found), family.shared_inputs, all_experts=True):
             if len({group_of[n] for n in names}) > 1:
                 raise UsageError(f"{', '.join(names)} share their input but not their config group "
                                  f"({', '.join(sorted({group_of[n] for n in names}))}): give them one scheme")
         modules = dict(model.named_modules())
-        check_divisible(self, {n: tuple(modules[n].weight.shape) for n in found}, found)
+        _check_divisible(self, {n: tuple(modules[n].weight.shape) for n in found}, found)
         order = {name: i for i, name in enumerate(modules)}
         return {name: found[name] for name in sorted(found, key=order.get)}
 
-    def quantized_modules(self, model) -> list[str]:
-        """Names of the modules this recipe quantizes, matched as the peer matches them."""
-        return list(self.module_schemes(model))
-
-    def quantization_config(self, model) -> QuantizationConfig:
-        """The config the peer writes: one group per distinct scheme in module order, each with its format
-        (the top level's: that format, or mixed-precision), and as ignored every unquantized module of a
-        quantized type as vLLM counts types (MoE routers count as Linear)."""
-        schemes = self.module_schemes(model)
+    def quantization_config(self, model: torch.nn.Module, schemes: dict[str, QuantizationScheme]
+                            ) -> QuantizationConfig:
+        """The config the peer writes for `schemes` (module_schemes'): one group per distinct scheme in module
+        order, each with its format (the top level's: that format, or mixed-precision), and as ignored every
+        unquantized module of a quantized type as vLLM counts types (MoE routers count as Linear)."""
         modules = dict(model.named_modules())
         types = {get_vllm_module_type(type(modules[n]).__name__) for n in schemes}
         ignore = [name for name, m in modules.items()
@@ -153,70 +146,14 @@ class Recipe:
             quantization_status=QuantizationStatus.COMPRESSED, ignore=ignore)
 
 
-def module_format(scheme: QuantizationScheme) -> str:
-    """The compressed-tensors format a Linear of `scheme` is written in: its own, else the one compressed-tensors
-    infers (int-quantized, float-quantized, pack-quantized, nvfp4-pack-quantized, mxfp4-pack-quantized, ...)."""
-    return getattr(scheme.format, "value", scheme.format) or infer_module_format(torch.nn.Linear, scheme).value
-
-
-def with_observers(scheme: QuantizationScheme, weights: str | None = None, inputs: str | None = None
-                   ) -> QuantizationScheme:
-    """Observers as the peer sets them (QuantizationMixin._apply_observer_overrides): the override given, else the
-    one the scheme names, else memoryless_minmax for weights and minmax for static inputs."""
-    for args, override, default in ((scheme.weights, weights, "memoryless_minmax"),
-                                    (scheme.input_activations, inputs, "minmax")):
-        if args is not None and (override is not None or "observer" not in args.model_fields_set):
-            args.observer = override or (None if args.dynamic is True else default)
-    return scheme
-
-
-def static_inputs(scheme: QuantizationScheme) -> QuantizationArgs | None:
-    """The input activations' arguments when calibration observes them (not fully dynamic); else None."""
-    args = scheme.input_activations
-    return args if args is not None and args.dynamic is not True else None
-
-
-def check_scheme(name: str, scheme: QuantizationScheme):
-    """Refuse, by name, what this tool does not do as the peer does."""
-    w = scheme.weights
-    if w is None:
-        raise UsageError(f"config group {name} quantizes no weights (weights: is missing)")
-    if scheme.output_activations is not None:
-        raise UsageError(f"config group {name}: output_activations are not supported")
-    if w.type == "int" and not 2 <= w.num_bits <= 8 or w.type == "float" and w.num_bits not in (4, 8):
-        raise UsageError(f"config group {name}: {w.num_bits}-bit {w.type} weights are not supported "
-                         "(int 2 to 8 bits, float 8 or 4)")
-    if w.strategy not in WEIGHT_STRATEGIES or w.dynamic:
-        raise UsageError(f"config group {name}: weights strategy {w.strategy!r}{' dynamic' if w.dynamic else ''} "
-                         f"is not supported: use {', '.join(sorted(WEIGHT_STRATEGIES))}")
-    if w.type == "float" and not w.symmetric:
-        raise UsageError(f"config group {name}: asymmetric float weights are not supported")
-    if w.observer not in WEIGHT_OBSERVERS:
-        raise UsageError(f"config group {name}: weight observer {w.observer!r} is not supported: memoryless_minmax")
-    a = static_inputs(scheme)
-    if a is not None:
-        kind = {False: QuantizationStrategy.TENSOR, DynamicType.LOCAL: QuantizationStrategy.TENSOR_GROUP}
-        if a.strategy != kind.get(a.dynamic) or a.observer != "static_minmax":
-            raise UsageError(f"config group {name}: static input activations by {a.strategy} with observer "
-                             f"{a.observer!r} are not supported: static ones by tensor (FP8), or tensor_group "
-                             "local (NVFP4), observed by static_minmax")
-    if scheme.format is not None and module_format(scheme) != infer_module_format(torch.nn.Linear, scheme).value:
-        raise UsageError(f"config group {name}: format {module_format(scheme)!r} is not supported: leave it out "
-                         f"({infer_module_format(torch.nn.Linear, scheme).value} for this scheme)")
-
-
-def check_divisible(recipe: Recipe, shapes: dict[str, tuple[int, int]], schemes: dict | None = None):
-    """Refuse a group size that does not divide an input dimension, naming the modules (`schemes`: each module's,
-    default: the recipe's one)."""
-    if schemes is None:
-        if len(recipe.schemes) > 1:
-            return  # Recipe.module_schemes checks each module against its own group
-        schemes = dict.fromkeys(shapes, recipe.weights)
+def _check_divisible(recipe: Recipe, shapes: dict[str, tuple[int, int]], schemes: dict[str, QuantizationScheme]):
+    """Refuse a group size that does not divide an input dimension, naming the modules, with a group size that
+    would (int presets) or the --ignore that leaves them out."""
     bad = {}
     for name, (_, cols) in shapes.items():
-        w = getattr(schemes[name], "weights", schemes[name])
-        if w.strategy in ("group", "tensor_group") and cols % w.group_size:
-            bad[name] = (cols, w.group_size)
+        group = group_size(schemes[name].weights)
+        if group and cols % group:
+            bad[name] = (cols, group)
     if not bad:
         return
     kinds = sorted({(re.sub(r"\.\d+\.", ".*.", name), cols) for name, (cols, _) in bad.items()})

@@ -20,7 +20,8 @@ from compressed_tensors.quantization import (
 from pydantic import ValidationError
 
 from elastic_oneshot.errors import UsageError
-from elastic_oneshot.quantization.recipe import ACTORDERS, CUSTOM, PRESETS, Recipe, with_observers
+from elastic_oneshot.quantization.recipe import ACTORDERS, CUSTOM, Recipe
+from elastic_oneshot.quantization.schemes import PRESETS, group_option, with_observers
 
 GPTQ = "GPTQModifier"
 # GPTQModifier arguments that change nothing in a oneshot run: lifecycle fields of every modifier, a memory knob.
@@ -117,21 +118,17 @@ def _as_preset(scheme: QuantizationScheme, common: dict) -> Recipe | None:
     if w is None or list(scheme.targets) != ["Linear"]:
         return None
     for name in PRESETS:
-        ints = w.type == "int" and preset_name_to_scheme(name, ["Linear"]).weights.type == "int"
-        group = (-1 if w.strategy == "channel" else w.group_size) if ints else None
+        preset = preset_name_to_scheme(name, ["Linear"]).weights
+        ints = w.type == "int" and preset.type == "int"
+        group = group_option(w) if ints else None
         try:
             candidate = Recipe(scheme=name, symmetric=w.symmetric if ints else True, actorder=_order(w.actorder),
-                               group_size=None if group == _preset_group(name) else group, **common)
+                               group_size=None if group == group_option(preset) else group, **common)
         except UsageError:
             continue
         if _same(candidate.schemes["group_0"], scheme):
             return candidate
     return None
-
-
-def _preset_group(name: str) -> int | None:
-    w = preset_name_to_scheme(name, ["Linear"]).weights
-    return w.group_size if w.strategy == "group" else -1
 
 
 def _same(a, b) -> bool:

@@ -22,7 +22,7 @@ from elastic_oneshot.loop.runner import Runner
 from elastic_oneshot.models.default_model import default_model
 from elastic_oneshot.models.source import SourceModel
 from elastic_oneshot.quantization.plan import describe, layer_groups, make_plan
-from elastic_oneshot.quantization.recipe import Recipe, check_divisible
+from elastic_oneshot.quantization.recipe import Recipe
 from elastic_oneshot.quantization.recipe_loader import load_recipe
 from elastic_oneshot.surface.evaluate import perplexity
 from elastic_oneshot.surface.preflight import check_separate, check_seq_len, check_writable
@@ -61,11 +61,11 @@ def oneshot(model: str | None = None, dataset: str = "builtin", scheme: str = "W
                      moe_calibrate="all" if moe_calibrate_all_experts else "routed"))
     output_dir = output_dir or f"{os.path.basename(job.model.rstrip('/'))}-{recipe.scheme}"
     state_dir = state_dir or f"{output_dir.rstrip('/')}.state"
-    job, state, records, source, record, by_layer = _open(job, state_dir, output_dir, coordinator,
-                                                          allow_long_seq, collective_timeout)
+    job, state, records, source, record, schemes = _open(job, state_dir, output_dir, coordinator,
+                                                         allow_long_seq, collective_timeout)
     world.agree("the job (model, dataset, recipe and sampling arguments)", record["fingerprint"])
     world.agree("the coordinator", job.coordinator)
-    runner = Runner(job, state, records, source, world, by_layer, parse_every(boundary_every), mtbf_s)
+    runner = Runner(job, state, records, source, world, schemes, parse_every(boundary_every), mtbf_s)
     error = world.broadcast_object(_claim(state, records, record, job, restart) if world.rank == 0 else None)
     if error:
         raise UsageError(error)
@@ -85,7 +85,7 @@ def oneshot(model: str | None = None, dataset: str = "builtin", scheme: str = "W
     if world.rank != 0:
         return output_dir
 
-    export_to(state, records, output_dir, source)
+    export_to(state, records, output_dir, source, schemes)
     log.info("wrote %s", output_dir)
     if eval_samples:
         _compare(before, output_dir, dataset, eval_samples, job.seq_len, text_column)
@@ -119,8 +119,8 @@ def _open(job: Job, state_dir: str, output_dir: str, coordinator: str | None, al
           collective_timeout: float):
     """Everything checkable before any work: where state and output go, the model's weights, the sequence
     length, the output, the recipe against the model; then the state (an object store's retries within half the
-    collective timeout, so that peers wait them out), its records, the job's record and the quantized modules
-    per layer."""
+    collective timeout, so that peers wait them out), its records, the job's record and each quantized module's
+    scheme (computed once a run: the runner and the export take them)."""
     local_state = None if is_url(state_dir) else state_dir  # an object store is checked by its first write
     local_output = None if is_url(output_dir) else output_dir  # a prefix: check_destination
     check_separate(model=job.model, state=local_state, output=local_output)
@@ -136,9 +136,7 @@ def _open(job: Job, state_dir: str, output_dir: str, coordinator: str | None, al
     check_seq_len(job.seq_len, source.config, allow_long_seq)
     record = job_record(job, source.digest(), source.num_layers)
     check_destination(output_dir, record["fingerprint"], state.root)
-    quantized = job.recipe.quantized_modules(source.skeleton)
-    check_divisible(job.recipe, source.linear_shapes(quantized))
-    return job, state, records, source, record, source.by_layer(quantized)
+    return job, state, records, source, record, job.recipe.module_schemes(source.skeleton, source.family)
 
 
 def _record_faults(state: StateStore, world: World, runner: Runner):
@@ -195,14 +193,13 @@ def plan(model: str, world_size: int, recipe: Recipe | None = None, layers: int 
     """The weight-parallel GPTQ plan of every layer, as text; needs only the model's config.json."""
     recipe = recipe or Recipe()
     source = SourceModel(model)
-    names = recipe.quantized_modules(source.skeleton)
-    check_divisible(recipe, source.linear_shapes(names))
+    names = list(recipe.module_schemes(source.skeleton, source.family))
     lines = [f"{source.config.model_type}: {source.num_layers} layers, {len(names)} GPTQ modules, world size "
              f"{world_size}; modeled seconds per rank (one CPU thread each)"]
     for index in range(source.num_layers if layers is None else min(layers, source.num_layers)):
         prefix = f"{source.layer_prefix}{index}."
         local = [n[len(prefix):] for n in names if n.startswith(prefix)]
-        p = make_plan(layer_groups(source.layers[index], local), world_size)
+        p = make_plan(layer_groups(source.layers[index], local, source.family.shared_inputs), world_size)
         lines.append(f"layer {index}:")
         lines.extend(describe(p))
     return lines

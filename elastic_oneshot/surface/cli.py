@@ -9,10 +9,25 @@ import sys
 from elastic_oneshot.errors import StaleEpochError, StorageError, UsageError
 from elastic_oneshot.surface.progress import close_all
 
-# recipe.PRESETS, spelled out so that parsing arguments imports no compressed-tensors
-SCHEMES = ("W8A8", "INT8", "W4AFP8", "FP8", "FP8_DYNAMIC", "FP8_BLOCK", "NVFP4A16", "NVFP4", "MXFP4A16", "MXFP4",
-           "MXFP8A16", "MXFP8", "W2A4", "W2A8", "W2A16", "W3A4", "W3A8", "W3A16", "W4A4", "W4A8", "W4A16", "W5A8",
-           "W5A16", "W6A8", "W6A16", "W7A8", "W7A16", "W8A16")
+
+class _Presets:
+    """--scheme's choices: compressed-tensors' presets (schemes.PRESETS), imported only when a --scheme is given or
+    listed, so that the other commands' arguments parse without importing compressed-tensors (seconds)."""
+
+    def __contains__(self, name) -> bool:
+        return name in self._names()
+
+    def __iter__(self):
+        return iter(self._names())
+
+    @staticmethod
+    def _names() -> tuple[str, ...]:
+        from elastic_oneshot.quantization.schemes import PRESETS
+
+        return PRESETS
+
+
+SCHEMES = _Presets()
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -31,9 +46,8 @@ def _run_arguments(run):
     run.add_argument("--recipe", help="llmcompressor recipe: a YAML file (or text) with one GPTQModifier; "
                      "replaces --scheme and the GPTQ options below")
     run.add_argument("--scheme", default="W4A16", choices=SCHEMES, metavar="SCHEME",
-                     help="a compressed-tensors preset: W2A16..W8A16, W8A8 (INT8), W4A8, W4AFP8, FP8, FP8_DYNAMIC, "
-                          "FP8_BLOCK, NVFP4, NVFP4A16, MXFP4, MXFP4A16, MXFP8, MXFP8A16, W2A8..W7A8, W2A4..W4A4 "
-                          "(default W4A16)")
+                     help="a compressed-tensors preset scheme, such as W4A16 (the default), W8A8, FP8, FP8_BLOCK, "
+                          "NVFP4 or MXFP4; an unknown name lists them all")
     run.add_argument("--num-samples", type=int, default=128)
     run.add_argument("--seq-len", type=int, default=512)
     run.add_argument("--allow-long-seq", action="store_true",

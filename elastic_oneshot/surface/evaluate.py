@@ -7,6 +7,7 @@ import transformers
 
 from elastic_oneshot.errors import UsageError
 from elastic_oneshot.loop.data import heldout_samples
+from elastic_oneshot.quantization.schemes import load_dtype
 
 
 @torch.inference_mode()
@@ -14,9 +15,9 @@ def perplexity(model_dir: str, dataset: str = "builtin", num_samples: int = 16, 
                text_column: str = "text", batch_size: int = 4) -> float:
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
-        config = transformers.AutoConfig.from_pretrained(model_dir)
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            model_dir, **({"dtype": torch.bfloat16} if _fp4(config) else {})).eval()
+        dtype = load_dtype(transformers.AutoConfig.from_pretrained(model_dir).to_dict().get("quantization_config"))
+        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, **({"dtype": dtype} if dtype else {}))
+        model.eval()
     except OSError as e:
         raise UsageError(f"cannot load {model_dir}: {str(e).splitlines()[0]}") from None
     ids = heldout_samples(dataset, tokenizer, num_samples, seq_len, text_column)
@@ -28,9 +29,3 @@ def perplexity(model_dir: str, dataset: str = "builtin", num_samples: int = 16, 
         count += batch[:, 1:].numel()
     return math.exp(total / count)
 
-
-def _fp4(config) -> bool:
-    """compressed-tensors decompresses fp4 weights to bfloat16, which a float32 model cannot multiply."""
-    groups = (getattr(config, "quantization_config", None) or {}).get("config_groups") or {}
-    return any((g.get("weights") or {}).get("type") == "float" and g["weights"].get("num_bits") == 4
-               for g in groups.values())

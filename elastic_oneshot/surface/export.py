@@ -26,9 +26,11 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgp
 MARKER = "elastic-oneshot.json"  # in every checkpoint: the job's fingerprint and the files written
 
 
-def export(state: StateStore, records: Records, output: str, source: SourceModel | None = None) -> str:
+def export(state: StateStore, records: Records, output: str, source: SourceModel | None = None,
+           schemes: dict | None = None) -> str:
     """Write the checkpoint of the job in `state`, whose commits `records` holds, to `output` (replacing this
-    job's previous one); only a finished state can be exported."""
+    job's previous one); only a finished state can be exported. `source` and `schemes` (the recipe's
+    module_schemes), when the run that finished has them."""
     record = state.job()
     job = Job.from_dict(record["job"])
     out, fingerprint = output.rstrip("/") or output, record["fingerprint"]
@@ -51,7 +53,9 @@ def export(state: StateStore, records: Records, output: str, source: SourceModel
         if os.path.isfile(src) and fname not in ("config.json", MARKER) and not fname.endswith(WEIGHT_SUFFIXES):
             shutil.copyfile(src, os.path.join(partial, fname))
     shutil.copyfile(os.path.join(source.path, "config.json"), os.path.join(partial, "config.json"))
-    quantization = job.recipe.quantization_config(source.skeleton)
+    if schemes is None:
+        schemes = job.recipe.module_schemes(source.skeleton, source.family)
+    quantization = job.recipe.quantization_config(source.skeleton, schemes)
     ModelCompressor(quantization_config=quantization).update_config(partial)
     check_loadable(partial, source, quantization, job.trust_remote_code)
     _write_marker(partial, fingerprint, sorted(set(os.listdir(partial)) - {MARKER}))

@@ -7,9 +7,13 @@ import subprocess
 import sys
 
 import psutil
+import torch
+import transformers
 from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+from safetensors import safe_open
 from safetensors.torch import load_file
 
+TOLERANCE = 0.6  # relative L2 error of the logits, 4-bit weights in groups of 32 on random weights
 JOB = ["--num-samples", 32, "--seq-len", 128, "--group-size", 64, "--chunk-size", 4]  # a quick job on tiny Llama
 
 
@@ -83,3 +87,24 @@ def same_codes(a, b) -> float:
     cb, _ = int_codes(b)
     assert ca.keys() == cb.keys()
     return sum((ca[k] == cb[k]).sum().item() for k in ca) / sum(v.numel() for v in ca.values())
+
+
+def packed_modules(checkpoint: str) -> set[str]:
+    """The modules a compressed checkpoint holds packed (weight_packed), by its names."""
+    with safe_open(os.path.join(checkpoint, "model.safetensors"), "pt") as f:
+        return {k.removesuffix(".weight_packed") for k in f.keys() if k.endswith(".weight_packed")}
+
+
+def check_compressed(model: str, out: str, auto_class=None) -> float:
+    """The sweep's checks of a checkpoint compressed from `model` (tests/test_architectures.py): transformers loads
+    it (as `auto_class`, a causal LM by default) with nothing missing or unexpected, and it generates. Returns the
+    relative error of its logits against the original's, for the caller's tolerance."""
+    auto_class = auto_class or transformers.AutoModelForCausalLM
+    quantized, info = auto_class.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    original = auto_class.from_pretrained(model)
+    ids = torch.randint(3, 300, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        lo, lq = original(input_ids=ids).logits, quantized(input_ids=ids).logits
+    assert quantized.generate(input_ids=ids[:1, :4], max_new_tokens=3, do_sample=False).shape == (1, 7)
+    return (torch.linalg.norm(lq - lo) / torch.linalg.norm(lo)).item()

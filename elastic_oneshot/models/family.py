@@ -1,0 +1,157 @@
+"""What elastic-oneshot needs to know of a model family, declared in one place.
+
+A family says which Auto class builds the whole model (a causal LM, or an image-text model with a language model
+inside); where the language model's decoder and its stack of layers are, and what the decoder's forward reads off a
+layer; which modules are fused experts containers and in which layout they become per-expert Linears (moe.Layout),
+and which are left fused (refused); how the skeleton's tensor names become the checkpoint's, and what transformers
+must be taught to load per-expert weights back; which sibling Linears read one input (one Hessian) and which share
+a fused scale (NVFP4's global scale); and which Linears stay dense whatever the recipe targets.
+
+`Family` is the generic adapter: it reads what transformers declares and probes what it does not, here and nowhere
+else. A family that needs its own answers is one file in models/families/ (each imported on the first lookup): a
+subclass of `Family` registered for its config's model_type with `@register`, found by `family_for(config)`. The
+idea is llm-compressor's registered MoE calibration modules and torchtitan's per-family state-dict adapters.
+"""
+
+import functools
+import importlib
+import pkgutil
+
+import torch
+import transformers
+
+from elastic_oneshot.models import stored_names
+from elastic_oneshot.models.moe import Experts, Layout, default_gating, own_gating
+
+FAMILIES: dict[str, type["Family"]] = {}
+
+
+def register(*model_types: str):
+    """Class decorator: the adapter of the models whose config (or text config) has one of `model_types`."""
+    def add(cls: type["Family"]) -> type["Family"]:
+        FAMILIES.update(dict.fromkeys(model_types, cls))
+        return cls
+    return add
+
+
+def family_for(config) -> "Family":
+    """The adapter registered for `config`'s model_type, else for its text model's (in an image-text wrapper),
+    else the generic one."""
+    _discover()
+    adapter = FAMILIES.get(config.model_type) or FAMILIES.get(config.get_text_config().model_type, Family)
+    return adapter()
+
+
+@functools.cache
+def _discover():
+    """Import every module of models/families/ once: each registers its adapter."""
+    from elastic_oneshot.models import families
+
+    for module in pkgutil.iter_modules(families.__path__):
+        importlib.import_module(f"{families.__name__}.{module.name}")
+
+
+class Family:
+    """The generic adapter, for every model type that registers none."""
+
+    stack = "layers"  # the decoder's attribute holding its layers (a ModuleList)
+    # Sibling Linears that read one input, and so share one Hessian (vLLM merges each set into one matrix).
+    shared_inputs = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+    # Siblings that share NVFP4's global scale: the peer's FUSED_LAYER_NAMES (llmcompressor/observers/helpers.py),
+    # the sets vLLM fuses; the last two are solved apart here.
+    fused_scales = shared_inputs + (("q_a_proj", "kv_a_proj_with_mqa"), ("w1", "w3"))
+
+    def auto_class(self, config) -> type:
+        """The Auto class that builds the whole model of `config`: an image-text model (its vision tower included)
+        where the config has a language model inside, a causal LM otherwise."""
+        if config.get_text_config() is not config:
+            return transformers.AutoModelForImageTextToText
+        return transformers.AutoModelForCausalLM
+
+    def decoder(self, skeleton: torch.nn.Module) -> torch.nn.Module:
+        """The language model's decoder, through a causal LM nested in an image-text model (Llama 4's)."""
+        decoder = skeleton.get_decoder()
+        while not hasattr(decoder, self.stack) and isinstance(getattr(decoder, "model", None), torch.nn.Module):
+            decoder = decoder.model  # a causal LM's body
+        return decoder
+
+    def layers(self, decoder: torch.nn.Module) -> torch.nn.ModuleList | None:
+        """The decoder's stack of layers, run one by one; None if it has none."""
+        layers = getattr(decoder, self.stack, None)
+        return layers if isinstance(layers, torch.nn.ModuleList) else None
+
+    def layer_attributes(self, layer: torch.nn.Module) -> dict:
+        """What the decoder's forward may read off a layer besides calling it (for the stand-in that records the
+        layers' inputs)."""
+        return {"attention_type": getattr(layer, "attention_type", None)}
+
+    def experts(self, module: torch.nn.Module) -> Layout | None:
+        """The layout of a fused experts container as transformers declares it (`use_experts_implementation`, whose
+        defaults hold for a class it does not declare): gate and up in one 3D parameter, the down projection in
+        another, and the default gating (act(gate) * up) or the class's own `_apply_gate` on the fused projection.
+        None for any other module, or for one whose shapes do not fit that layout."""
+        gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+        if not (isinstance(gate_up, torch.nn.Parameter) and isinstance(down, torch.nn.Parameter)
+                and gate_up.dim() == 3 and down.dim() == 3 and getattr(module, "has_gate", True)):
+            return None
+        interleaved = not getattr(module, "is_concatenated", True)
+        if "." in getattr(type(module), "_apply_gate", len).__qualname__:  # a method; transformers' default is not
+            gating = own_gating(module._apply_gate, interleaved)
+        elif callable(getattr(module, "act_fn", None)):
+            gating = default_gating(module.act_fn)
+        else:
+            return None
+        layout = Layout(gating, transposed=getattr(module, "is_transposed", False), interleaved=interleaved,
+                        bias=getattr(module, "has_bias", False))
+        return layout if _fits(module, layout) else None
+
+    def unsplit_experts(self, skeleton: torch.nn.Module) -> list[str]:
+        """Experts containers left fused (a layout `experts` does not give): no Linear-based quantization reaches
+        them. Known by their class's name and parameters of three or more dimensions."""
+        return [name for name, m in skeleton.named_modules()
+                if "expert" in type(m).__name__.lower() and any(p.dim() >= 3 for p in m.parameters(recurse=False))]
+
+    def default_ignores(self, skeleton: torch.nn.Module) -> list[str]:
+        """Linear modules kept in high precision whatever the recipe targets: those outside the language model's
+        decoder (a vision tower, a multimodal projector, lm_head), which calibration on text never reaches; and in
+        MoE blocks those that decide routing rather than compute: beside the experts, with one output per expert (a
+        router, such as PhiMoE's `router` or HunYuan's `gate.wg`) or a single one (a shared expert's gate, such as
+        Qwen2-MoE's `shared_expert_gate`). vLLM builds those unquantized, and transformers cannot initialize a
+        quantized router (PhiMoE's)."""
+        inside = {id(m) for m in self.decoder(skeleton).modules()}
+        dense = [n for n, m in skeleton.named_modules() if isinstance(m, torch.nn.Linear) and id(m) not in inside]
+        for name, experts in skeleton.named_modules():
+            if isinstance(experts, Experts):
+                block, own = name.rpartition(".")[0], {id(m) for m in experts.modules()}
+                dense += [n for n, m in skeleton.get_submodule(block).named_modules(prefix=block) if
+                          isinstance(m, torch.nn.Linear) and id(m) not in own and m.out_features in (1, len(experts))]
+        return dense
+
+    def stored_names(self, skeleton: torch.nn.Module, checkpoint_names) -> dict[str, str]:
+        """Skeleton tensor name -> the checkpoint's, for the names that differ: transformers' conversion mappings."""
+        return stored_names.stored_names(skeleton, checkpoint_names)
+
+    def fused_in_checkpoint(self, skeleton: torch.nn.Module, checkpoint_names) -> dict[str, tuple[str, str]]:
+        """Checkpoint name -> (experts container, its fused parameter) for tensors stored fused where the skeleton
+        holds one Linear per expert."""
+        return stored_names.fused_in_checkpoint(skeleton, checkpoint_names)
+
+    def teach_loader(self, skeleton: torch.nn.Module):
+        """Before transformers loads a checkpoint written here: converters from per-expert weights to the fused
+        experts, where transformers has none for the type (GPT-OSS, GraniteMoE: stored_names.teach_loader)."""
+        experts = next((m for m in skeleton.modules() if isinstance(m, Experts)), None)
+        if experts is not None:
+            stored_names.teach_loader(skeleton, experts)
+
+
+def _fits(module: torch.nn.Module, layout: Layout) -> bool:
+    """A fused container's down projection (and biases) have the shapes its gate_up_proj implies in `layout`."""
+    gate_up, down = module.gate_up_proj, module.down_proj
+    if layout.transposed:
+        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+    num, intermediate2, hidden = gate_up.shape
+    shapes = [((num, hidden, intermediate2 // 2), down)]
+    if layout.bias:
+        shapes += [((num, intermediate2), getattr(module, "gate_up_proj_bias", None)),
+                   ((num, hidden), getattr(module, "down_proj_bias", None))]
+    return all(isinstance(t, torch.Tensor) and tuple(t.shape) == shape for shape, t in shapes)
