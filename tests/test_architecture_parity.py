@@ -13,6 +13,8 @@ from elastic_oneshot.testing.tiny import make_tiny
 SAMPLES, SEQ, GROUP = 16, 64, 32
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_world_of_two_writes_the_bytes_of_one_for_shared_experts(tmp_path):
     """Qwen2-MoE: a shared expert and its sigmoid gate beside the routed experts, all calibrated in the block's own
     forward; W=2 splits both the calibration chunks and the GPTQ groups across ranks."""
@@ -25,6 +27,7 @@ def test_world_of_two_writes_the_bytes_of_one_for_shared_experts(tmp_path):
     assert tree_digest(tmp_path / "w2") == tree_digest(tmp_path / "w1")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_type, moe, per_layer", [("deepseek_v3", True, 5 + 3 * 5), ("gemma3_text", False, 7),
                                                         ("gpt_oss", True, 4 + 3 * 4)])
 def test_parity_with_llmcompressor(model_type, moe, per_layer, tmp_path):

@@ -48,6 +48,7 @@ def table(request):
             print("\n" + "\n".join(sorted(rows)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_type, moe", [(t, False) for t in DENSE] + [(t, True) for t in MOE])
 def test_compressed_loads_generates_and_stays_close(model_type, moe, tmp_path, caplog, table):
     caplog.set_level(logging.INFO, "elastic_oneshot")
@@ -124,6 +125,7 @@ def test_multimodal_language_model_compressed_vision_copied(model_type, tmp_path
     assert 0 < err < TOLERANCE
 
 
+@pytest.mark.slow
 def test_experts_written_per_expert_load_in_a_new_process_once_taught(tmp_path):
     """transformers 5.17 has no converter from GPT-OSS's per-expert weights (the layout llmcompressor writes too)
     to its fused experts: a new process loads the checkpoint after `teach_transformers`, not before."""

@@ -145,6 +145,8 @@ def wide(tmp_path_factory):
                       intermediate_size=512, num_hidden_layers=2)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_same_bits_at_any_thread_count_and_world_size(wide, tmp_path):
     digests = {}
     for name, threads, world in (("W=1 x 2 threads", "2", 1), ("W=1 x 1 thread", "1", 1), ("W=2 x 1 thread", "1", 2)):

@@ -3,12 +3,14 @@
 import json
 import os
 
+import pytest
 from safetensors import safe_open
 
 from elastic_oneshot import oneshot
 from elastic_oneshot.models.default_model import default_model
 
 
+@pytest.mark.slow
 def test_default_model_converts_once_and_compresses(tmp_path, monkeypatch):
     monkeypatch.setenv("ELASTIC_ONESHOT_CACHE", str(tmp_path / "cache"))
     path = default_model()

@@ -32,6 +32,8 @@ def w1(tiny_llama, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize("world", [2, 3])
 def test_world_sizes_agree_with_one_rank(world, tiny_llama, w1, tmp_path):
     out = tmp_path / "out"
@@ -47,6 +49,8 @@ def test_world_sizes_agree_with_one_rank(world, tiny_llama, w1, tmp_path):
         assert tree_digest(again) == tree_digest(out), "two runs at the same world size differ"
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize("intermediate,kinds", [
     (8704, {StepKind.PANEL, StepKind.UPDATE, StepKind.INVERT, StepKind.SOLVE}),
     (4096, {StepKind.FACTOR, StepKind.SOLVE})])
@@ -67,6 +71,8 @@ def test_shared_group_spreads_its_inverse_and_rows(intermediate, kinds, tmp_path
     assert same >= 0.999
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_more_ranks_than_chunks(tiny_llama, tmp_path):
     job = ["--num-samples", 8, "--seq-len", 128, "--group-size", 64, "--chunk-size", 4]  # 2 chunks
     run_world(1, tiny_llama, tmp_path / "w1", job)
@@ -81,6 +87,8 @@ def deep_llama(tmp_path_factory):
     return make_model(str(tmp_path_factory.mktemp("models") / "llama8"), "llama", num_hidden_layers=8)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_killed_worker_restarts_and_output_is_identical(deep_llama, tmp_path):
     job = ["--num-samples", 48, "--seq-len", 256, "--group-size", 64, "--chunk-size", 8]
     run_world(2, deep_llama, tmp_path / "ref", job)
@@ -107,6 +115,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_ranks_with_different_arguments_fail_fast(tiny_llama, tmp_path):
     port = free_port()
     procs = []

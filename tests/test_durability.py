@@ -39,6 +39,7 @@ def committed(state) -> int:
     return len(os.listdir(d)) if os.path.isdir(d) else 0
 
 
+@pytest.mark.slow
 def test_kill_9_at_random_moments_then_resume(deep_llama, reference, tmp_path):
     rng = random.Random(1234)
     out, state = tmp_path / "out", tmp_path / "state"
@@ -74,6 +75,7 @@ def damage(path: str, truncate: bool = False):
             f.write(b"\xde\xad\xbe\xef")
 
 
+@pytest.mark.slow
 def test_damaged_files_are_redone_or_replayed_around(deep_llama, reference, tmp_path, caplog):
     out, state = str(tmp_path / "out"), str(tmp_path / "state")
     oneshot(model=deep_llama, output_dir=out, state_dir=state, boundary_every=3, **JOB)
@@ -137,6 +139,7 @@ def bad_inputs(tmp, deep_llama):
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["missing model", "unsupported architecture", "dataset too small",
                                   "group size", "foreign state"])
 def test_bad_input_one_line_error_and_nothing_lost(case, deep_llama, committed_state, tmp_path):

@@ -56,6 +56,7 @@ def finish(cluster: Cluster, reference):
     assert same >= 0.999
 
 
+@pytest.mark.slow
 def test_two_nodes_one_killed_finishes_at_one(model, reference, tmp_path, clusters):
     """The survivor restarts at W=1 and replays from the last durable boundary, also the chunks it never
     held; the result is the uninterrupted W=1 run's, byte for byte."""
@@ -74,6 +75,7 @@ def test_two_nodes_one_killed_finishes_at_one(model, reference, tmp_path, cluste
     assert tree_digest(cluster.output) == tree_digest(reference)
 
 
+@pytest.mark.slow
 def test_a_second_node_joins(model, reference, tmp_path, clusters):
     cluster = clusters(str(tmp_path), model, JOB, max_nodes=2, collective_timeout=TIMEOUT)
     cluster.add_node()
@@ -83,6 +85,7 @@ def test_a_second_node_joins(model, reference, tmp_path, clusters):
     assert worlds(cluster)[0] == 1 and 2 in worlds(cluster)
 
 
+@pytest.mark.slow
 def test_standalone_store_survives_losing_rank_0(model, reference, tmp_path, clusters):
     cluster = clusters(str(tmp_path), model, JOB, max_nodes=2, collective_timeout=TIMEOUT)
     cluster.add_node(), cluster.add_node()
@@ -94,6 +97,7 @@ def test_standalone_store_survives_losing_rank_0(model, reference, tmp_path, clu
     assert worlds(cluster)[-1] == 1
 
 
+@pytest.mark.slow
 def test_a_frozen_node_is_detected_and_left_behind(model, reference, tmp_path, clusters):
     cluster = clusters(str(tmp_path), model, JOB, max_nodes=2, collective_timeout=TIMEOUT)
     nodes = [cluster.add_node(), cluster.add_node()]
@@ -112,6 +116,7 @@ def test_a_frozen_node_is_detected_and_left_behind(model, reference, tmp_path, c
     assert worlds(cluster)[-1] == 1
 
 
+@pytest.mark.slow
 def test_a_stale_worker_cannot_commit(model, tmp_path):
     """A worker frozen mid-layer wakes after a newer epoch finished the job: its commit is refused and it
     changes nothing."""
@@ -140,6 +145,8 @@ def test_a_stale_worker_cannot_commit(model, tmp_path):
     assert after[1] == before[1]
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_chaos_run_with_ten_faults(tmp_path):
     model = make_model(str(tmp_path / "llama40"), "llama", num_hidden_layers=40)
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "chaos.py"), "--model", model,

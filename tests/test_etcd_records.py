@@ -54,6 +54,8 @@ def test_url():
             EtcdRecords.from_url(bad)
 
 
+@pytest.mark.slow
+@pytest.mark.etcd
 def test_a_stale_epoch_cannot_commit(etcd):
     r = records(etcd.endpoint, "t/stale")
     r.claim({"fingerprint": "f"}, "/state")
@@ -91,6 +93,8 @@ def test_a_stale_epoch_cannot_commit(etcd):
         records(etcd.endpoint, "t/stale").adopt({"fingerprint": "h"}, "/elsewhere")
 
 
+@pytest.mark.slow
+@pytest.mark.etcd
 def test_two_processes_race_to_begin_the_same_epoch(etcd):
     a, b = records(etcd.endpoint, "t/race"), records(etcd.endpoint, "t/race")
     a.claim({"fingerprint": "f"}, "/state")
@@ -127,6 +131,8 @@ def test_two_processes_race_to_begin_the_same_epoch(etcd):
     assert b.current_epoch() == 1 + len(won) and len(won) + lost == 80
 
 
+@pytest.mark.slow
+@pytest.mark.etcd
 def test_a_lost_lease_ends_the_worker_and_fences_its_commits(etcd):
     r = records(etcd.endpoint, "t/lease", ttl=2)
     r.claim({"fingerprint": "f"}, "/state")
@@ -143,6 +149,8 @@ def test_a_lost_lease_ends_the_worker_and_fences_its_commits(etcd):
     assert r.progress()["live_ranks"] == []
 
 
+@pytest.mark.slow
+@pytest.mark.etcd
 def test_progress_is_followed_across_an_etcd_restart():
     with EtcdServer() as server:
         writer, reader = records(server.endpoint, "t/watch"), records(server.endpoint, "t/watch")
@@ -166,6 +174,8 @@ def test_progress_is_followed_across_an_etcd_restart():
     assert seen == sorted(seen) and seen[-1] == 4 and len(set(seen)) >= 3, seen
 
 
+@pytest.mark.slow
+@pytest.mark.etcd
 def test_tls_and_a_client_certificate_from_another_ca(tmp_path):
     tls, rogue = make_tls(tmp_path / "tls", "trusted"), make_tls(tmp_path / "rogue", "rogue")
     with EtcdServer(tls=tls) as server:
@@ -285,6 +295,8 @@ def reference(etcd, deep_llama, tmp_path_factory):
     return n
 
 
+@pytest.mark.slow
+@pytest.mark.etcd
 def test_two_nodes_complete_a_job_with_its_state_in_etcd(reference, tmp_path):
     print(f"\ntwo nodes, {LAYERS} layers, state in etcd: {reference.seconds:.1f} s")
     starts = [e for e in reference.events() if e["event"] == "start"]
@@ -298,6 +310,8 @@ def test_two_nodes_complete_a_job_with_its_state_in_etcd(reference, tmp_path):
     assert tree_digest(tmp_path / "export") == tree_digest(reference.out)
 
 
+@pytest.mark.slow
+@pytest.mark.etcd
 def test_the_survivor_finishes_when_the_rank0_node_is_killed(etcd, nodes, reference):
     n = nodes(etcd.endpoint, "kill-rank0").start(2)
     n.wait_layers(2)
@@ -322,6 +336,8 @@ def test_the_survivor_finishes_when_the_rank0_node_is_killed(etcd, nodes, refere
     assert same >= 0.999
 
 
+@pytest.mark.slow
+@pytest.mark.etcd
 def test_etcd_killed_and_restarted_mid_run(deep_llama, nodes, reference, tmp_path):
     with EtcdServer() as server:  # its own: the rendezvous and the job state both live in it
         n = nodes(server.endpoint, "restart-etcd")
@@ -343,6 +359,8 @@ def test_etcd_killed_and_restarted_mid_run(deep_llama, nodes, reference, tmp_pat
     assert tree_digest(n.out) == tree_digest(reference.out)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_chaos_with_etcd_restarts(deep_llama, tmp_path):
     """launch/chaos.py on its own etcd (rendezvous and job state), with restart_etcd among the faults. A larger job
     than above, so that four faults land before it ends; seed 19 draws restart_etcd first, then kill_node."""

@@ -53,6 +53,7 @@ def _mount_tmpfs(where: pathlib.Path, size: str) -> bool:
                           capture_output=True).returncode == 0
 
 
+@pytest.mark.slow
 def test_full_tmpfs_under_the_state_resumes_byte_identical(tiny_llama, reference, tmp_path):
     disk = tmp_path / "disk"
     if not _mount_tmpfs(disk, "300k"):
@@ -68,6 +69,7 @@ def test_full_tmpfs_under_the_state_resumes_byte_identical(tiny_llama, reference
         subprocess.run(["umount", "-l", str(disk)])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("code, words", [("ENOSPC", "No space left on device (ENOSPC)"),
                                          ("EROFS", "Read-only file system (EROFS)")])
 def test_a_refused_write_is_one_line_and_the_rerun_is_byte_identical(tiny_llama, reference, tmp_path, code, words):
@@ -81,6 +83,7 @@ def test_a_refused_write_is_one_line_and_the_rerun_is_byte_identical(tiny_llama,
     assert tree_digest(tmp_path / "out") == reference
 
 
+@pytest.mark.slow
 def test_state_that_is_a_file_is_one_line(tiny_llama, tmp_path):
     (tmp_path / "file").write_text("not a directory")
     one_error_line(run_cli("run", "--model", tiny_llama, "--state", tmp_path / "file", "--output", tmp_path / "out",
@@ -101,6 +104,7 @@ def test_a_model_file_damaged_after_the_start_is_named(tiny_llama, tmp_path):
         source.read(names)
 
 
+@pytest.mark.slow
 def test_interrupted_writes_leave_no_debris(tiny_llama, reference, tmp_path):
     state, gone = tmp_path / "out.state", subprocess.Popen(["true"])
     gone.wait()  # the pid of a writer that was killed
@@ -119,6 +123,7 @@ def test_interrupted_writes_leave_no_debris(tiny_llama, reference, tmp_path):
     assert tree_digest(tmp_path / "out") == reference
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["delete", "flip"])
 def test_lost_tokens_are_drawn_again_and_committed_layers_kept(tiny_llama, reference, tmp_path, damage):
     run(tiny_llama, tmp_path)
@@ -135,6 +140,7 @@ def test_lost_tokens_are_drawn_again_and_committed_layers_kept(tiny_llama, refer
     assert tree_digest(tmp_path / "out") == reference
 
 
+@pytest.mark.slow
 def test_tokens_that_the_dataset_no_longer_yields_are_refused(tiny_llama, tmp_path):
     from elastic_oneshot.loop.data import builtin_texts
 
@@ -164,6 +170,8 @@ def _workers(proc: subprocess.Popen) -> dict[int, psutil.Process]:
             if "RANK" in c.environ()}
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_a_worker_whose_other_rank_died_says_so_in_one_line(tmp_path):
     model = make_model(str(tmp_path / "llama12"), "llama", num_hidden_layers=12)
     state, logs = tmp_path / "state", tmp_path / "logs"

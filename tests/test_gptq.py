@@ -83,6 +83,7 @@ def test_batched_equals_one_at_a_time():
     assert untouched.damping == [None] and not untouched.dead.any()
 
 
+@pytest.mark.slow
 def test_wide_hessian_inverse_in_pieces():
     """Above SHARED_INVERSE_COLS the inverse comes from one (fp64) Cholesky and pieces of a triangular
     inverse that ranks can share: its codes equal an fp64 reference's; the peer's fp32 steps drift."""

@@ -64,6 +64,7 @@ def launcher_env(**extra) -> dict:
             **extra}
 
 
+@pytest.mark.slow
 def test_single_node_launcher_runs(tiny_llama, tmp_path):
     proc = subprocess.run([os.path.join(LAUNCH, "single_node.sh"), "--model", tiny_llama, "--output", tmp_path / "out",
                            *JOB], env=launcher_env(NPROC="2"), capture_output=True, text=True, timeout=300)
@@ -72,6 +73,7 @@ def test_single_node_launcher_runs(tiny_llama, tmp_path):
     assert (tmp_path / "out" / "config.json").is_file()
 
 
+@pytest.mark.slow
 def test_c10d_launcher_runs_against_the_standalone_store(tiny_llama, tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

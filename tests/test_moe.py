@@ -26,6 +26,7 @@ def tiny_moe(tmp_path_factory):
     return make_moe(str(tmp_path_factory.mktemp("models") / "moe"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("all_experts", [True, False])
 def test_calibration_block_output_equals_original(tiny_moe, all_experts):
     original = transformers.AutoModelForCausalLM.from_pretrained(tiny_moe).model.layers[0].mlp
@@ -73,6 +74,7 @@ def ours(tiny_moe, tmp_path_factory):
                    chunk_size=SAMPLES, output_dir=str(tmp_path_factory.mktemp("ours") / "out"))
 
 
+@pytest.mark.slow
 def test_parity_with_llmcompressor_qwen3_moe(tmp_path):
     """llmcompressor 0.14's traced pipeline calibrates Qwen3-MoE layers with bidirectional attention here
     (its o_proj inputs equal a non-causal attention's, to 4e-7); ours is causal, as the model is. To
@@ -107,6 +109,8 @@ def test_moe_checkpoint_round_trips_through_transformers(tiny_moe, ours):
     assert quantized.generate(input_ids=ids[:1, :8], max_new_tokens=4, do_sample=False).shape == (1, 12)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_world_size_change_with_a_kill_inside_an_moe_layer(tmp_path):
     """Killed at W=2 while an MoE layer's experts are being solved; resumed at W=1: the experts solved
     before the kill are reused, not redone."""

@@ -55,10 +55,14 @@ def reference(llama4, tmp_path_factory):
     return tree_digest(out)
 
 
+@pytest.mark.slow
+@pytest.mark.s3
 def test_urls_name_object_stores():
     assert is_url("s3://b/p") and is_url("gs://b") and is_url("file:///x") and not is_url("/tmp/s3:/x")
 
 
+@pytest.mark.slow
+@pytest.mark.s3
 def test_the_checkpoint_is_the_same_with_the_state_on_the_server(s3, llama4, reference, tmp_path):
     url = f"s3://{BUCKET}/same"
     out = str(tmp_path / "out")
@@ -79,6 +83,8 @@ def committed(url: str) -> int:
     return len(StateStore(url).names("commits"))
 
 
+@pytest.mark.slow
+@pytest.mark.s3
 def test_kill_9_at_random_moments_with_the_state_on_the_server(s3, llama4, reference, tmp_path):
     rng, url, out = random.Random(13), f"s3://{BUCKET}/killed", tmp_path / "out"
     cmd = [sys.executable, "-m", "elastic_oneshot", "run", "--model", llama4, "--output", out, "--state", url,
@@ -102,6 +108,8 @@ def test_kill_9_at_random_moments_with_the_state_on_the_server(s3, llama4, refer
     assert tree_digest(out) == reference
 
 
+@pytest.mark.slow
+@pytest.mark.s3
 def test_a_stale_worker_is_refused_by_the_servers_precondition(s3):
     state = StateStore(f"s3://{BUCKET}/stale")
     r = FileRecords(state)
@@ -120,6 +128,8 @@ def test_a_stale_worker_is_refused_by_the_servers_precondition(s3):
     assert r.committed() == {0: e1} and r.current_epoch() == e2
 
 
+@pytest.mark.slow
+@pytest.mark.s3
 def test_transient_errors_are_retried_and_others_are_not(s3, monkeypatch, caplog):
     import obstore
 
@@ -142,6 +152,8 @@ def test_transient_errors_are_retried_and_others_are_not(s3, monkeypatch, caplog
         store.put("x.json", b"{}", exclusive=True)
 
 
+@pytest.mark.slow
+@pytest.mark.s3
 def test_a_missing_bucket_is_a_storage_error(s3):
     from elastic_oneshot.errors import StorageError
 
@@ -210,6 +222,8 @@ def _read_request(sock: socket.socket) -> bytes | None:
     return b"\r\n".join([*lines, b"Connection: close"]) + b"\r\n\r\n" + body
 
 
+@pytest.mark.slow
+@pytest.mark.s3
 def test_the_job_finishes_through_503s_drops_and_delays(s3, llama4, reference, tmp_path, monkeypatch, caplog):
     proxy = FaultyProxy(s3)
     monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
@@ -219,6 +233,8 @@ def test_the_job_finishes_through_503s_drops_and_delays(s3, llama4, reference, t
     assert proxy.faults > 10 and caplog.text.count("object store: retrying") >= proxy.faults
 
 
+@pytest.mark.slow
+@pytest.mark.s3
 def test_large_objects_go_in_parallel_parts(s3):
     store = ObjectStorage(f"s3://{BUCKET}/large")
     data = random.Random(0).randbytes(20 << 20)
@@ -243,6 +259,9 @@ def w1_reference(llama4, tmp_path_factory):
     return tree_digest(out)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.s3
 @pytest.mark.parametrize("rank0", [False, True], ids=["other-node", "rank0-node"])
 def test_two_nodes_one_killed_the_survivor_finishes(s3, llama4, w1_reference, tmp_path, rank0):
     """Two torchrun agents (simulated nodes) with the state on the server and no shared directory; one node is
@@ -267,6 +286,8 @@ def test_two_nodes_one_killed_the_survivor_finishes(s3, llama4, w1_reference, tm
     assert tree_digest(cluster.output) == w1_reference
 
 
+@pytest.mark.slow
+@pytest.mark.s3
 def test_an_unreachable_store_fails_after_the_retry_budget(s3, monkeypatch, caplog):
     monkeypatch.setenv("AWS_ENDPOINT_URL", S3Server().endpoint)  # a free port, where nothing listens
     store = ObjectStorage(f"s3://{BUCKET}/gone", retry_s=1)
@@ -291,6 +312,9 @@ def test_kubernetes_manifest_without_a_shared_volume():
     assert not any("AWS_SECRET" in str(e) for e in container["env"])  # credentials only through the Secret
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.s3
 def test_chaos_campaign_with_the_state_on_the_server(s3, tmp_path):
     model = make_model(str(tmp_path / "llama12"), "llama", num_hidden_layers=12)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -335,6 +359,8 @@ def aws_home(s3, tmp_path, monkeypatch):
         yield key, secret
 
 
+@pytest.mark.slow
+@pytest.mark.s3
 def test_credentials_from_a_profile_file_never_reach_the_state(aws_home, llama4, reference, tmp_path, monkeypatch):
     key, secret = aws_home
     url, out = f"s3://{BUCKET}/profile", str(tmp_path / "out")
@@ -358,6 +384,8 @@ def download(url: str, to) -> str:
     return str(to)
 
 
+@pytest.mark.slow
+@pytest.mark.s3
 def test_export_to_the_server_all_or_nothing(s3, llama4, reference, tmp_path, monkeypatch):
     """A run whose --output is a prefix: the checkpoint there equals a local export byte for byte and loads in
     transformers; the marker goes up last (a failed upload leaves none, and the next export finishes it); a

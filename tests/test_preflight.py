@@ -41,6 +41,7 @@ def user_files(path):
 
 
 # -- export never deletes ----------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_run_refuses_an_output_holding_the_users_files(tiny_llama, tmp_path):
     before = user_files(tmp_path / "out")
     refused(run_cli("run", "--model", tiny_llama, "--output", tmp_path / "out", *JOB, check=False),
@@ -49,6 +50,7 @@ def test_run_refuses_an_output_holding_the_users_files(tiny_llama, tmp_path):
     assert not (tmp_path / "out.state").exists()
 
 
+@pytest.mark.slow
 def test_export_refuses_an_output_holding_the_users_files(finished, tmp_path):
     _, state = finished
     before = user_files(tmp_path / "out")
@@ -57,6 +59,7 @@ def test_export_refuses_an_output_holding_the_users_files(finished, tmp_path):
     assert tree_digest(tmp_path / "out") == before
 
 
+@pytest.mark.slow
 def test_output_that_is_a_file_is_refused(finished, tmp_path):
     _, state = finished
     (tmp_path / "out").write_text("mine")
@@ -64,6 +67,7 @@ def test_output_that_is_a_file_is_refused(finished, tmp_path):
     assert (tmp_path / "out").read_text() == "mine"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["output=model", "state inside output", "output inside state"])
 def test_model_state_and_output_must_be_separate(model_copy, tmp_path, layout):
     output, state = {"output=model": (model_copy, tmp_path / "s"),
@@ -76,6 +80,7 @@ def test_model_state_and_output_must_be_separate(model_copy, tmp_path, layout):
     assert not os.path.exists(state)
 
 
+@pytest.mark.slow
 def test_export_into_the_state_is_refused(finished):
     _, state = finished
     before = tree_digest(state)
@@ -83,6 +88,7 @@ def test_export_into_the_state_is_refused(finished):
     assert tree_digest(state) == before
 
 
+@pytest.mark.slow
 def test_this_jobs_checkpoint_is_replaced_and_nothing_else(finished, tmp_path):
     out, state = finished
     reference = tree_digest(out)
@@ -96,6 +102,7 @@ def test_this_jobs_checkpoint_is_replaced_and_nothing_else(finished, tmp_path):
 
 
 # -- checked before layer 0 --------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_unwritable_output_and_state_are_refused(tiny_llama, tmp_path):
     refused(run_cli("run", "--model", tiny_llama, "--output", "/proc/eo-test/out", "--state", tmp_path / "s", *JOB,
                     check=False), "--output /proc/eo-test/out: cannot create a file in /proc")
@@ -106,6 +113,7 @@ def test_unwritable_output_and_state_are_refused(tiny_llama, tmp_path):
                     check=False), "is a file, not a directory")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("size", [5, "half"])
 def test_truncated_shard_is_named(model_copy, tmp_path, size):
     shard = model_copy / "model.safetensors"
@@ -114,6 +122,7 @@ def test_truncated_shard_is_named(model_copy, tmp_path, size):
             f"model file {shard} is truncated or damaged")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("change", ["missing", "shape"])
 def test_a_late_layers_tensor_is_checked_before_layer_0(model_copy, tmp_path, change):
     shard = model_copy / "model.safetensors"
@@ -129,6 +138,7 @@ def test_a_late_layers_tensor_is_checked_before_layer_0(model_copy, tmp_path, ch
     assert not (tmp_path / "o.state").exists()
 
 
+@pytest.mark.slow
 def test_seq_len_bounds(tiny_llama, tmp_path):
     out = ["--model", tiny_llama, "--output", tmp_path / "o", "--num-samples", 8]
     refused(run_cli("run", *out, "--seq-len", 1, check=False), "--seq-len must be at least 2 tokens")
@@ -138,6 +148,7 @@ def test_seq_len_bounds(tiny_llama, tmp_path):
                     check=False), "yields only 0 usable samples")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, content, message", [
     ("bad.jsonl", '{"text": "fine"}\nnot json\n', "line 2 is not valid JSON"),
     ("empty.jsonl", "", "is empty"),

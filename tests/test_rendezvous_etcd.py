@@ -143,6 +143,9 @@ def both_started(out):
     return pair if len(pair) == 2 else None
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.etcd
 def test_two_nodes_run_a_gloo_job(etcd, nodes):
     nodes.release()
     agents = [nodes(etcd.endpoint, "two-nodes", "2:2") for _ in range(2)]
@@ -152,6 +155,9 @@ def test_two_nodes_run_a_gloo_job(etcd, nodes):
     assert done == [(0, 2, 2.0), (1, 2, 2.0)]
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.etcd
 def test_survivor_finishes_alone_when_the_rank0_node_is_killed(etcd, nodes):
     # With c10d, losing the node that hosts its store (the --rdzv-endpoint host) ends the job; here no node is special.
     agents = [nodes(etcd.endpoint, "failover", "1:2", max_restarts=3) for _ in range(2)]
@@ -164,6 +170,8 @@ def test_survivor_finishes_alone_when_the_rank0_node_is_killed(etcd, nodes):
     assert [(r["rank"], r["world"], r["total"]) for r in records(nodes.out, "done")] == [(0, 1, 1.0)]
 
 
+@pytest.mark.slow
+@pytest.mark.etcd
 def test_compare_and_set_refuses_a_stale_token(etcd):
     backend, _ = create_backend(params(etcd.endpoint, "cas"))
     assert backend.get_state() is None
@@ -176,6 +184,8 @@ def test_compare_and_set_refuses_a_stale_token(etcd):
     assert backend.get_state() == (b"second", token2)
 
 
+@pytest.mark.slow
+@pytest.mark.etcd
 def test_store_semantics(etcd):
     _, store = create_backend(params(etcd.endpoint, "store"))
     threads = [threading.Thread(target=lambda: [store.add("n", 1) for _ in range(20)]) for _ in range(3)]
@@ -193,6 +203,9 @@ def test_store_semantics(etcd):
         store.wait(["missing"], timedelta(seconds=0.2))
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.etcd
 def test_tls_and_a_client_certificate_from_another_ca(tmp_path, nodes):
     tls, rogue = make_tls(tmp_path / "tls", "trusted"), make_tls(tmp_path / "rogue", "rogue")
     nodes.release()
@@ -205,6 +218,8 @@ def test_tls_and_a_client_certificate_from_another_ca(tmp_path, nodes):
                 backend.get_state()
 
 
+@pytest.mark.slow
+@pytest.mark.etcd
 def test_user_and_password_survive_an_etcd_restart():
     with EtcdServer() as server:
         root = etcd3.client("127.0.0.1", server.port)
@@ -222,6 +237,9 @@ def test_user_and_password_survive_an_etcd_restart():
                 create_backend(params(server.endpoint, "auth", **conf))[0].get_state()
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.etcd
 def test_a_node_joins_a_running_job(etcd, nodes):
     first = nodes(etcd.endpoint, "scale-up", "1:2")
     wait_for(lambda: records(nodes.out, "started"), 60, "the first node's worker")
@@ -233,6 +251,9 @@ def test_a_node_joins_a_running_job(etcd, nodes):
     assert done == [(0, 2, 2.0), (1, 2, 2.0)]
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.etcd
 def test_rerun_with_the_id_of_a_finished_run(etcd, nodes):
     nodes.release()
     finish(nodes(etcd.endpoint, "rerun", "1"))
@@ -241,6 +262,9 @@ def test_rerun_with_the_id_of_a_finished_run(etcd, nodes):
     assert [r["world"] for r in records(nodes.out, "done")] == [1, 1]
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.etcd
 def test_rerun_with_the_id_of_a_crashed_run(etcd, nodes):
     agent = nodes(etcd.endpoint, "crashed", "1:2")
     worker = wait_for(lambda: records(nodes.out, "started"), 60, "the worker")[0]
@@ -252,6 +276,8 @@ def test_rerun_with_the_id_of_a_crashed_run(etcd, nodes):
     assert [r["world"] for r in records(nodes.out, "done")] == [1]
 
 
+@pytest.mark.slow
+@pytest.mark.etcd
 def test_closed_run_with_a_live_agent_fails_fast(etcd):
     backend, _ = create_backend(params(etcd.endpoint, "live"))
     state = _RendezvousState()

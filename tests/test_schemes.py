@@ -136,16 +136,20 @@ def check_loads(ours: str, peer: str):
     assert models[0].generate(input_ids=ids[:1, :8], max_new_tokens=4, do_sample=False).shape == (1, 12)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_parity_with_llmcompressor(scheme, pair):
     check_parity(scheme, *pair(scheme), modules=2 * 7)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_loads_in_transformers(scheme, pair):
     check_loads(*pair(scheme))
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize("scheme", ["FP8", "NVFP4"])
 def test_world_of_two_writes_the_bytes_of_one(scheme, pair, llama, tmp_path):
     """Static activation scales too: each rank observes its own chunks, and the reduction does not depend on W."""
@@ -154,6 +158,7 @@ def test_world_of_two_writes_the_bytes_of_one(scheme, pair, llama, tmp_path):
     assert tree_digest(tmp_path / "w2") == tree_digest(ours)
 
 
+@pytest.mark.slow
 def test_mixed_recipe_round_trips(pair):
     """FP8 attention and NVFP4 MLP from one recipe file: both groups in the config, each module in its format."""
     ours, peer = pair("mixed")

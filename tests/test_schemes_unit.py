@@ -50,6 +50,7 @@ def peer_quantize(w, h, args):
     return out[0], q
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", PRESETS)
 def test_solve_equals_the_peer(preset):
     w, h = problem()
@@ -64,6 +65,7 @@ def test_solve_equals_the_peer(preset):
     assert not torch.equal(ours, w)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", PRESETS)
 def test_row_slices_solve_alone(preset):
     w, h = problem(rows=192)
@@ -90,6 +92,7 @@ def test_fused_modules_share_one_global_scale():
     assert not torch.equal(q["mlp.down_proj"].global_scale, q["mlp.up_proj"].global_scale)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", PRESETS)
 def test_compressors_give_back_the_solved_weight(preset):
     w, h = problem()

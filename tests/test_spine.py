@@ -28,6 +28,7 @@ def ours(tiny_llama, tmp_path_factory):
                    output_dir=out, chunk_size=SAMPLES)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("group_size", [GROUP, 64])
 def test_parity_with_llmcompressor(tiny_llama, ours, group_size, tmp_path):
     if group_size != GROUP:
@@ -74,6 +75,7 @@ def test_round_trip_through_transformers(tiny_llama, ours):
     assert out.shape == (1, 24)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["mistral", "qwen2", "qwen3"])
 def test_other_architectures(arch, tmp_path):
     model = make_model(str(tmp_path / arch), arch)

@@ -52,6 +52,7 @@ def same_threads_env() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
 
 
+@pytest.mark.slow
 def test_api_cli_and_recipes_make_identical_checkpoints(tiny_llama, tmp_path):
     from llmcompressor.modifiers.gptq import GPTQModifier
 
@@ -101,6 +102,7 @@ def test_unsupported_settings_are_refused_in_one_line(modifiers, message):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.slow
 def test_unsupported_modifier_is_refused_by_name(tiny_llama, tmp_path):
     from llmcompressor.modifiers.gptq import GPTQModifier
     from llmcompressor.modifiers.transform.smoothquant import SmoothQuantModifier
@@ -147,6 +149,8 @@ def text_agrees_with_json(text: str, r: dict):
     assert re.findall(r"fault: (\w+) .* on rank (\d+)", text) == [(f["event"], str(f["rank"])) for f in r["faults"]]
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_status_of_a_preempted_job_finished_at_another_world_size(llama8, tmp_path):
     state, out = tmp_path / "state", tmp_path / "out"
     args = ["run", "--model", llama8, "--state", state, "--output", out, *STATUS_JOB]
@@ -195,6 +199,8 @@ def test_status_of_a_preempted_job_finished_at_another_world_size(llama8, tmp_pa
     assert matplotlib.image.imread(tmp_path / "t.png").shape[:2] == (450, 800)
 
 
+@pytest.mark.slow
+@pytest.mark.etcd
 def test_status_reads_and_watches_the_etcd_coordinator(tiny_llama, tmp_path):
     from elastic_oneshot.testing.etcd_server import EtcdServer
 
