@@ -228,6 +228,6 @@ if unchecked:
     print("not checked (the target's version is not known): " + "; ".join(sorted(unchecked)), file=sys.stderr)
 what = ["elastic-oneshot"] if project else ["-r", os.path.join(dest, "requirements.txt")]
 if peer == "1":
-    what.append(f"llmcompressor=={wheels['llmcompressor'][0]}")
+    what.append(f"llmcompressor=={wheels['llmcompressor'][0]}" if "llmcompressor" in wheels else "'llmcompressor==0.14.*'")
 print(f"python3 -m pip install --no-index --find-links {dest} {' '.join(what)}")
 PYTHON
