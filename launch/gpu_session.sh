@@ -7,7 +7,7 @@
 #   qwen3-30b-a3b   bench/gpu.py at full size: 2 layers, 128 experts, 128 x 2048 tokens
 #                   (each meant to fit one 10-minute device call; not yet measured: --samples 64 if not)
 #   durability      bench/gpu.py --durability --skip-peer on the Llama: auto against 0
-# Logs go to $OUT (the device tool's folder that comes back), else /tmp/gpu-session.
+# Arguments after the step go to pytest or bench/gpu.py (`llama3-8b --samples 64`). Logs go to $OUT (the device tool's folder that comes back), else /tmp/gpu-session.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/gpu-session}"
@@ -15,7 +15,8 @@ mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1  # no network there: never wait on the hub
 PY="${PYTHON:-python3}"
-step="${1:?usage: launch/gpu_session.sh tests|llama3-8b|qwen3-30b-a3b|durability}"
+step="${1:?usage: launch/gpu_session.sh tests|llama3-8b|qwen3-30b-a3b|durability [more arguments for it]}"
+shift
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 "$PY" -c 'import sys, torch, transformers; print(sys.version.split()[0], "torch", torch.__version__, "cuda",
@@ -33,11 +34,11 @@ fi
 
 case "$step" in
     tests) ELASTIC_ONESHOT_TEST_DEVICE="${ELASTIC_ONESHOT_TEST_DEVICE:-cuda}" "$PY" -m pytest -q -rA -s \
-        -p no:cacheprovider --durations=0 tests/test_cuda.py 2>&1 | tee "$OUT/tests.log" \
+        -p no:cacheprovider --durations=0 tests/test_cuda.py "$@" 2>&1 | tee "$OUT/tests.log" \
         | grep -E "codes identical|peak GPU|committed layers|passed|failed|skipped|PASSED|FAILED|SKIPPED|ERROR|Error|^E " ;;
-    llama3-8b|qwen3-30b-a3b) "$PY" bench/gpu.py --only "$step" --workdir /tmp/bench-gpu 2>&1 \
+    llama3-8b|qwen3-30b-a3b) "$PY" bench/gpu.py --only "$step" --workdir /tmp/bench-gpu "$@" 2>&1 \
         | tee "$OUT/bench-$step.log" | grep -v "Writing model shards" ;;
-    durability) "$PY" bench/gpu.py --only llama3-8b --durability --skip-peer --workdir /tmp/bench-gpu 2>&1 \
+    durability) "$PY" bench/gpu.py --only llama3-8b --durability --skip-peer --workdir /tmp/bench-gpu "$@" 2>&1 \
         | tee "$OUT/bench-durability.log" | grep -v "Writing model shards" ;;
     *) echo "unknown step $step"; exit 2 ;;
 esac
