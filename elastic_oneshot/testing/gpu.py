@@ -164,8 +164,9 @@ def _report(path: str, side: str, start: float, **more):
              "reserved_gpu_bytes": torch.cuda.max_memory_reserved() if gpu else 0, "torch": torch.__version__, **more}
     with open(path, "w") as f:
         json.dump(facts, f)
-    print(f"{side}: done in {time.perf_counter() - start:.1f} s (after importing torch), on {facts['device']}, peak GPU memory "
-          f"{facts['peak_gpu_bytes'] / 2**30:.2f} GB (exit {more.get('exit')})", file=sys.stderr, flush=True)
+    print(f"{side}: done in {time.perf_counter() - start:.1f} s (after importing torch), on {facts['device']}, "
+          f"peak GPU memory {facts['peak_gpu_bytes'] / 2**30:.2f} GB (exit {more.get('exit')})", file=sys.stderr,
+          flush=True)
 
 
 def main(argv: list[str]) -> int:
