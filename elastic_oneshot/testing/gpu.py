@@ -1,0 +1,189 @@
+"""Comparisons on a GPU (bench/gpu.py, tests/test_cuda.py): models of real shapes with random weights (no download),
+calibration text that tokenizes to exact random token ids, and each side, ours or llmcompressor's `oneshot`, run in a
+process of its own that reports its peak GPU memory and the GPU's name.
+
+    python -m elastic_oneshot.testing.gpu ours REPORT.json run --model M ...   # the CLI, measured
+    python -m elastic_oneshot.testing.gpu peer REPORT.json '{"model_dir": ...}' # peer_oneshot(**JSON), measured
+
+Both sides use the GPU when torch sees one (CUDA_VISIBLE_DEVICES= hides it).
+"""
+
+import glob
+import json
+import os
+import sys
+import time
+
+import torch
+
+# Decoder shapes of real models, cut to a few layers: (model_type, layers, config). `TINY` has the same kinds at
+# sizes that run on CPU in seconds (every Linear's input a multiple of 128, for W4A16 groups of 128).
+SHAPES = {
+    "llama3-8b": ("llama", 8, dict(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+        max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0})),
+    "qwen3-30b-a3b": ("qwen3_moe", 2, dict(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+        num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+}
+TINY = {
+    "llama3-8b": ("llama", 2, dict(
+        vocab_size=1024, hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=1024, tie_word_embeddings=False)),
+    "qwen3-30b-a3b": ("qwen3_moe", 2, dict(
+        vocab_size=1024, hidden_size=128, intermediate_size=256, moe_intermediate_size=128, num_experts=16,
+        num_experts_per_tok=4, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=1024, tie_word_embeddings=False)),
+}
+SPECIAL = ["<unk>", "<s>", "</s>"]  # ids 0, 1, 2; every other id is the word "t<id>"
+
+
+def word_tokenizer(vocab_size: int):
+    """A tokenizer whose every id is a word (`t<id>`), split on spaces: text of such words tokenizes to exactly
+    those ids, with no special token added."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {**{t: i for i, t in enumerate(SPECIAL)}, **{f"t{i}": i for i in range(len(SPECIAL), vocab_size)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                                                eos_token="</s>")
+
+
+def random_token_text(path: str, vocab_size: int, samples: int, seq_len: int, seed: int = 0) -> str:
+    """A .txt dataset of uniformly random token ids: one line per sample of `seq_len` tokens (the line's words and
+    the EOS that joins documents), enough lines for the calibration pool of `samples` (loop/data.py: four times
+    the samples, every tenth held out). Written once per (vocab, samples, seq_len, seed)."""
+    from elastic_oneshot.loop.data import HOLDOUT_EVERY, POOL_FACTOR
+
+    if os.path.isfile(path):
+        return path
+    lines = POOL_FACTOR * samples * HOLDOUT_EVERY // (HOLDOUT_EVERY - 1) + 2
+    ids = torch.randint(len(SPECIAL), vocab_size, (lines, seq_len - 1), generator=torch.Generator().manual_seed(seed))
+    with open(path + ".tmp", "w") as f:
+        for row in ids.tolist():
+            f.write(" ".join(f"t{i}" for i in row) + "\n")
+    os.replace(path + ".tmp", path)
+    return path
+
+
+def make_shaped(path: str, name: str, tiny: bool = False, dtype=torch.bfloat16, device: str | None = None,
+                layers: int | None = None) -> str:
+    """Save a SHAPES (or TINY) model with random weights (the config's own initialization, seeded) and its word
+    tokenizer to `path`; built on `device` (default: the GPU if there is one). Kept if already there."""
+    import transformers
+
+    model_type, default_layers, sizes = (TINY if tiny else SHAPES)[name]
+    if os.path.isfile(os.path.join(path, "model.safetensors.index.json")) or os.path.isfile(
+            os.path.join(path, "model.safetensors")):
+        return path
+    tokenizer = word_tokenizer(sizes["vocab_size"])
+    config = transformers.AutoConfig.for_model(model_type, num_hidden_layers=layers or default_layers,
+                                               bos_token_id=1, eos_token_id=2, pad_token_id=2, **sizes)
+    torch.manual_seed(0)
+    with torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    del model
+    return path
+
+
+def peer_oneshot(model_dir: str, out: str, dataset: str, samples: int, seq_len: int, group_size: int = 128,
+                 moe: bool = False, scheme: str | None = None, dtype: str = "auto") -> str:
+    """llmcompressor 0.14's oneshot (sequential pipeline) on exactly our calibration tokens of `dataset`, with the
+    model in `dtype` ("auto": the checkpoint's): testing/peer.py's run_peer, for any dataset and dtype."""
+    import transformers
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.gptq import GPTQModifier
+
+    from elastic_oneshot.loop.data import calibration_samples
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    ids = calibration_samples(dataset, tokenizer, samples, seq_len, seed=0)
+    # The peer visits samples in torch.argsort order of their (equal) lengths: order the dataset so that it
+    # visits them as we do (see run_peer).
+    ids = ids[torch.argsort(torch.argsort(torch.tensor([seq_len] * samples), descending=True))]
+    ds = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist()})
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=dtype if dtype == "auto" else getattr(torch, dtype))
+    if scheme:
+        quantization = {"scheme": scheme, "targets": ["Linear"]}
+    else:
+        quantization = {"config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+            "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": group_size}}}}
+    recipe = GPTQModifier(**quantization, ignore=["lm_head"] + (["re:.*mlp.gate$"] if moe else []),
+                          actorder="static", dampening_frac=0.01, block_size=128)
+    oneshot(model=model, dataset=ds, recipe=recipe, num_calibration_samples=samples, max_seq_length=seq_len,
+            shuffle_calibration_samples=False, pipeline="sequential",
+            **({"moe_calibrate_all_experts": True} if moe else {}))
+    model.save_pretrained(out, save_compressed=True)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def peer_available() -> bool:
+    import importlib.util
+
+    return all(importlib.util.find_spec(m) is not None for m in ("llmcompressor", "datasets"))
+
+
+def int4_codes(path: str) -> dict[str, torch.Tensor]:
+    """The int4 codes (0..15) of every `pack-quantized` weight in a checkpoint's shards, unpacked here (8 per
+    int32 word, element i at bit 4i), so that no compressed-tensors is needed to compare."""
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for f in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        tensors.update(load_file(f))
+    out = {}
+    for key, packed in tensors.items():
+        if key.endswith(".weight_packed") and packed.dtype == torch.int32:
+            rows, cols = tensors[key.replace("_packed", "_shape")].tolist()
+            shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+            out[key] = ((packed.unsqueeze(-1) >> shifts) & 15).reshape(rows, -1)[:, :cols].to(torch.uint8)
+    return out
+
+
+def identical(a: dict, b: dict) -> float:
+    """The share of codes equal in two checkpoints (which must quantize the same modules)."""
+    if a.keys() != b.keys():
+        raise AssertionError(f"different quantized modules: {sorted(a.keys() ^ b.keys())[:5]}")
+    return sum((a[k] == b[k]).sum().item() for k in a) / sum(v.numel() for v in a.values())
+
+
+def _report(path: str, side: str, start: float, **more):
+    gpu = torch.cuda.is_available() and torch.cuda.is_initialized()
+    facts = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+             "peak_gpu_bytes": torch.cuda.max_memory_allocated() if gpu else 0,
+             "reserved_gpu_bytes": torch.cuda.max_memory_reserved() if gpu else 0, "torch": torch.__version__, **more}
+    with open(path, "w") as f:
+        json.dump(facts, f)
+    print(f"{side}: done in {time.perf_counter() - start:.1f} s (after importing torch), on {facts['device']}, "
+          f"peak GPU memory {facts['peak_gpu_bytes'] / 2**30:.2f} GB (exit {more.get('exit')})", file=sys.stderr,
+          flush=True)
+
+
+def main(argv: list[str]) -> int:
+    start = time.perf_counter()
+    side, report, *rest = argv
+    if side == "ours":
+        from elastic_oneshot.surface.cli import main as cli
+
+        code = cli(rest)
+    elif side == "peer":
+        peer_oneshot(**json.loads(rest[0]))
+        code = 0
+    else:
+        raise SystemExit(f"unknown side {side}: ours or peer")
+    _report(report, side, start, exit=code)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

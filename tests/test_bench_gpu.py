@@ -1,0 +1,33 @@
+"""bench/gpu.py --tiny: the GPU benchmark's code, on CPU with tiny shapes (both models, ours and the peer if
+installed), so that it works when a GPU session runs it at full size."""
+
+import json
+import os
+import subprocess
+import sys
+
+from elastic_oneshot.testing.gpu import peer_available
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_bench_gpu_tiny(tmp_path):
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu.py"), "--tiny", "--workdir", str(tmp_path)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    print(proc.stdout)
+    for name in ("llama3-8b", "qwen3-30b-a3b"):
+        assert f"{name} on cpu" in proc.stdout
+    for label in ("wall time (s)", "peak GPU memory (GB)", "peak host RSS (GB)", "GPTQ", "propagate",
+                  "durability (commit)"):
+        assert label in proc.stdout
+    with open(tmp_path / "result-tiny.json") as f:
+        results = {r["model"]: r for r in json.load(f)}
+    for r in results.values():
+        assert r["ours"]["device"] == "cpu" and r["ours"]["peak_gpu_bytes"] == 0 and r["ours"]["rss_bytes"] > 0
+    if peer_available():
+        assert "identical int codes" in proc.stdout and "last lines of the peer's" in proc.stdout
+        assert results["llama3-8b"]["identical"] >= 0.99  # same tokens, same numerics
+        assert results["qwen3-30b-a3b"]["identical"] >= 0.8  # the peer's bidirectional attention (DESIGN.md 6)
+    else:
+        assert "the peer was skipped" in proc.stdout
