@@ -6,11 +6,14 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from elastic_oneshot.testing.gpu import peer_available
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow
 def test_bench_gpu_tiny(tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu.py"), "--tiny", "--workdir", str(tmp_path)],
                           capture_output=True, text=True, cwd=ROOT, timeout=900)

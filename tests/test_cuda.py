@@ -18,16 +18,15 @@ import time
 import pytest
 import torch
 import transformers
-from conftest import tree_digest
 from safetensors.torch import load_file
 
 from elastic_oneshot.loop.data import heldout_samples
 from elastic_oneshot.testing import gpu
+from elastic_oneshot.testing.runs import tree_digest
 from elastic_oneshot.testing.tiny import make_model, make_moe
 
 DEVICE = os.environ.get("ELASTIC_ONESHOT_TEST_DEVICE") or ("cuda" if torch.cuda.is_available() else "")
-pytestmark = [pytest.mark.cuda, pytest.mark.skipif(
-    not DEVICE, reason="no GPU here (ELASTIC_ONESHOT_TEST_DEVICE=cpu runs these tests on CPU)")]
+pytestmark = pytest.mark.cuda  # skipped without a GPU (conftest.py); ELASTIC_ONESHOT_TEST_DEVICE=cpu runs them on CPU
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DTYPES = ["float32", "bfloat16"]
 # Least share of identical codes against the peer: the same tokens and numerics give all but a few in float32; in
