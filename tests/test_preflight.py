@@ -111,6 +111,9 @@ def test_unwritable_output_and_state_are_refused(tiny_llama, tmp_path):
     (tmp_path / "file").write_text("mine")
     refused(run_cli("run", "--model", tiny_llama, "--output", tmp_path / "o", "--state", tmp_path / "file", *JOB,
                     check=False), "is a file, not a directory")
+    refused(run_cli("run", "--model", tiny_llama, "--output", tmp_path / "file" / "sub", *JOB, check=False),
+            f"--output {tmp_path / 'file' / 'sub'}: {tmp_path / 'file'} is a file, not a directory")
+    assert (tmp_path / "file").read_text() == "mine" and not (tmp_path / "file.state").exists()
 
 
 @pytest.mark.slow
@@ -153,6 +156,9 @@ def test_seq_len_bounds(tiny_llama, tmp_path):
     ("bad.jsonl", '{"text": "fine"}\nnot json\n', "line 2 is not valid JSON"),
     ("empty.jsonl", "", "is empty"),
     ("empty.txt", "", "is empty"),
+    ("blank.txt", "\n  \n\n", "has no text (only blank lines)"),
+    ("control.jsonl", '{"text": "fine"}\n{"text": "tab\there"}\n',
+     "line 2 is not valid JSON (Invalid control character at: line 1 column 14 (char 13))"),
     ("numbers.jsonl", '{"text": 3}\n', "column 'text' holds int, not text"),
 ])
 def test_unreadable_datasets_are_one_line(tiny_llama, tmp_path, name, content, message):

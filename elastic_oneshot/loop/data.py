@@ -99,6 +99,11 @@ def _check_file(spec: str, kind: str):
     """An empty file or a line that is not JSON, named, rather than an error from inside `datasets`."""
     if os.path.getsize(spec) == 0:
         raise UsageError(f"dataset {spec} is empty: give a file with text")
+    if kind == "parquet":
+        return
+    with open(spec, "rb") as f:
+        if not any(line.strip() for line in f):
+            raise UsageError(f"dataset {spec} has no text (only blank lines): give a file with text")
     if kind != "json":
         return
     with open(spec, encoding="utf-8", errors="replace") as f:
@@ -113,7 +118,7 @@ def _check_file(spec: str, kind: str):
                 if line.strip():
                     json.loads(line)
             except ValueError as e:
-                raise UsageError(f"dataset {spec} line {number} is not valid JSON ({e.msg}): "
+                raise UsageError(f"dataset {spec} line {number} is not valid JSON ({e}): "
                                  "fix or remove it") from None
 
 

@@ -82,6 +82,9 @@ class SourceModel:
         (sdpa differs in the last bits, and GPTQ's rounding decisions amplify last bits)."""
         if os.path.isfile(path) and path.endswith(".json"):
             path = os.path.dirname(path) or "."
+        if os.path.isfile(path):
+            raise UsageError(f"model {path} is a file, not a model directory: give the directory holding "
+                             "config.json and the safetensors")
         if not os.path.isdir(path):
             raise UsageError(f"model directory {path} does not exist")
         if not os.path.isfile(os.path.join(path, "config.json")):

@@ -28,6 +28,8 @@ def check_writable(path: str, option: str, beside: bool = False):
     if beside:
         where = os.path.dirname(where.rstrip(os.sep))
     while not os.path.isdir(where):
+        if os.path.lexists(where):
+            raise UsageError(f"{option} {path}: {where} is a file, not a directory: give a path under a directory")
         where = os.path.dirname(where)
     try:
         fd, probe = tempfile.mkstemp(prefix=".elastic-oneshot-probe-", dir=where)
