@@ -1,6 +1,7 @@
 """Refused at start, in one line, with the user's files untouched: export never deletes what it did not write, and
 everything checkable (paths, shards, tensors, --seq-len, the dataset) is checked before layer 0."""
 
+import json
 import os
 import shutil
 
@@ -112,7 +113,7 @@ def test_unwritable_output_and_state_are_refused(tiny_llama, tmp_path):
     refused(run_cli("run", "--model", tiny_llama, "--output", tmp_path / "o", "--state", tmp_path / "file", *JOB,
                     check=False), "is a file, not a directory")
     refused(run_cli("run", "--model", tiny_llama, "--output", tmp_path / "file" / "sub", *JOB, check=False),
-            f"--output {tmp_path / 'file' / 'sub'}: {tmp_path / 'file'} is a file, not a directory")
+            f": {tmp_path / 'file'} is a file, not a directory")
     assert (tmp_path / "file").read_text() == "mine" and not (tmp_path / "file.state").exists()
 
 
@@ -165,3 +166,16 @@ def test_unreadable_datasets_are_one_line(tiny_llama, tmp_path, name, content, m
     (tmp_path / name).write_text(content)
     refused(run_cli("run", "--model", tiny_llama, "--output", tmp_path / "o", "--dataset", tmp_path / name, *JOB,
                     check=False), message)
+
+
+@pytest.mark.slow
+def test_a_config_with_fewer_layers_than_the_weights_is_refused_before_work(model_copy, tmp_path):
+    """16 layers of weights under a config of 12 would compress 12 and fail at export: refused at start."""
+    with open(model_copy / "config.json") as f:
+        config = json.load(f)
+    config["num_hidden_layers"] -= 2
+    with open(model_copy / "config.json", "w") as f:
+        json.dump(config, f)
+    refused(run_cli("run", "--model", model_copy, "--output", tmp_path / "o", *JOB, check=False),
+            "its weights hold layers up to 3, but config.json says num_hidden_layers 2")
+    assert not (tmp_path / "o.state").exists()

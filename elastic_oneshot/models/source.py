@@ -185,6 +185,22 @@ class SourceModel:
                 if shapes[name] != tuple(tensor.shape):
                     raise UsageError(f"tensor {name} in {where[name]} has shape {list(shapes[name])}, but the "
                                      f"config implies {list(tensor.shape)}: the weights do not match config.json")
+        self._check_layer_count(shapes)
+
+    def _check_layer_count(self, names):
+        """Layers in the shards past the config's (beyond its multi-token-prediction layers, which checkpoints
+        store after the decoder's): the config would hide them, and the export could not account for them."""
+        first = next(n for n, _ in self.skeleton.named_parameters() if n.startswith(f"{self.layer_prefix}0."))
+        stored = self.stored_name(first)
+        if ".0." not in stored:
+            return
+        head = stored[:stored.index(".0.") + 1]  # the stack's prefix in the checkpoint: model.layers.
+        known = self.num_layers + self.config.to_dict().get("num_nextn_predict_layers", 0)
+        extra = sorted({int(i) for n in names if n.startswith(head)
+                        and (i := n[len(head):].split(".", 1)[0]).isdigit() and int(i) >= known})
+        if extra:
+            raise UsageError(f"model {self.path}: its weights hold layers up to {extra[-1]}, but config.json says "
+                             f"num_hidden_layers {self.num_layers}: the weights do not match config.json")
 
     @functools.cached_property
     def stored(self) -> dict[str, str]:
