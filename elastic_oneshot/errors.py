@@ -1,6 +1,13 @@
 """Errors the command line reports as one line, without a traceback (docs/troubleshooting.md lists them)."""
 
 import errno
+import sys
+
+
+def report(message: str):
+    """The one line every error ends in, on stderr: from the command line, or from a thread that must end the
+    process at once (the liveness watchdog)."""
+    print(f"elastic-oneshot: error: {message}", file=sys.stderr, flush=True)
 
 
 class UsageError(Exception):

@@ -200,7 +200,7 @@ def test_a_worker_whose_other_rank_died_says_so_in_one_line(tmp_path):
 
 
 # -- docs/troubleshooting.md -------------------------------------------------------------------------------------
-RAISERS = {"UsageError", "CorruptStateError", "StaleEpochError", "StorageError", "_fail", "error"}
+RAISERS = {"UsageError", "CorruptStateError", "StaleEpochError", "StorageError", "_fail", "error", "report"}
 
 
 def _literal_parts(node) -> list[str]:

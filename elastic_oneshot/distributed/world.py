@@ -13,7 +13,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from elastic_oneshot.errors import UsageError
+from elastic_oneshot.errors import UsageError, report
 
 log = logging.getLogger("elastic_oneshot")
 
@@ -68,7 +68,7 @@ class World:
         except Exception as e:  # the store itself may be the silent rank's
             if self._stop.is_set():
                 return
-            log.error("liveness: %s; leaving so that the job can go on without it", e)
+            report(f"liveness: {e}; leaving so that the job can go on without it")
             try:
                 if self.on_lost:
                     self.on_lost(str(e))

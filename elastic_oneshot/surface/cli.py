@@ -6,7 +6,7 @@ import logging
 import os
 import sys
 
-from elastic_oneshot.errors import StaleEpochError, StorageError, UsageError
+from elastic_oneshot.errors import StaleEpochError, StorageError, UsageError, report
 from elastic_oneshot.surface.progress import close_all
 
 
@@ -135,9 +135,7 @@ def main(argv=None) -> int:
         logging.getLogger("elastic_oneshot").warning("%s; nothing partial was committed: run again to resume", e)
         return signals.EXIT_CODE
     except StaleEpochError as e:
-        close_all()
-        logging.getLogger("elastic_oneshot").error("fenced off: %s", e)
-        return 3
+        return _fail(f"fenced off: {e}", 3)
     except RuntimeError as e:
         from elastic_oneshot.distributed.world import rank_lost
 
@@ -150,7 +148,7 @@ def main(argv=None) -> int:
 def _fail(message: str, code: int) -> int:
     """The one line of an error (EXIT_CODES in docs/troubleshooting.md), below the progress bar, not on it."""
     close_all()
-    print(f"elastic-oneshot: error: {message}", file=sys.stderr)
+    report(message)
     return code
 
 
