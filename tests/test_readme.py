@@ -31,3 +31,21 @@ def test_the_first_commands_output_is_ignored_by_git():
     paths = ["SmolLM2-135M-Instruct-W4A16/model.safetensors", "SmolLM2-135M-Instruct-W4A16.state/job.json"]
     proc = subprocess.run(["git", "check-ignore", "--no-index", *paths], cwd=ROOT, capture_output=True, text=True)
     assert proc.stdout.splitlines() == paths
+
+
+def test_the_layout_table_names_every_module():
+    """README's layout table and docs/architecture.md name every module of the package, in its folder."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read().split("## Layout", 1)[1].split("\n## ", 1)[0]
+    with open(os.path.join(ROOT, "docs", "architecture.md")) as f:
+        architecture = f.read()
+    folder, named = "", set()
+    for row in re.findall(r"^\|(.*?)\|(.*?)\|", readme, re.M):
+        folder = row[0].strip(" `") or folder
+        named |= {f"{folder}{m}" for m in re.findall(r"`([\w/]+(?:\.py)?)`", row[1])}
+    package = os.path.join(ROOT, "elastic_oneshot")
+    modules = {os.path.relpath(os.path.join(d, f), package) for d, _, files in os.walk(package)
+               for f in files if f.endswith(".py") and f != "__init__.py" and "testing" not in d
+               and "families" not in d and d != package}
+    assert not modules - named, sorted(modules - named)
+    assert not [m for m in modules if os.path.basename(m) not in architecture]
