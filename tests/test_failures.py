@@ -199,6 +199,32 @@ def test_a_worker_whose_other_rank_died_says_so_in_one_line(tmp_path):
     run_cli(*args, env=one_thread_env())  # the job goes on from its commits
 
 
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 64 KiB tmpfs of this test's own, unmounted afterwards (needs root)."""
+    disk = tmp_path / "small"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", disk], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", disk], check=True)
+
+
+@pytest.mark.slow
+def test_a_full_disk_during_export_is_one_line_and_leaves_nothing_half_written(tiny_llama, tmp_path, small_disk):
+    """The layers are computed and committed; the export's disk fills: exit 4 naming the path, no OUT.partial
+    left, and the same command exports once there is room."""
+    state = tmp_path / "state"
+    args = ["run", "--model", tiny_llama, "--state", state, *JOB]
+    line = one_error_line(run_cli(*args, "--output", small_disk / "out", check=False, env=one_thread_env()), 4)
+    assert f"cannot write {small_disk / 'out.partial'}: No space left on device (ENOSPC)" in line, line
+    assert os.listdir(small_disk) == []
+    run_cli("export", "--state", state, "--output", tmp_path / "out", env=one_thread_env())
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
 # -- docs/troubleshooting.md -------------------------------------------------------------------------------------
 RAISERS = {"UsageError", "CorruptStateError", "StaleEpochError", "StorageError", "_fail", "error", "report"}
 

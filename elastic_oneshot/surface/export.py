@@ -6,16 +6,19 @@ holds nothing else than the files the marker lists; the previous checkpoint is m
 moved in, then OUT.old removed.
 """
 
+import errno
 import json
 import os
+import re
 import shutil
 
 from compressed_tensors.compressors import ModelCompressor
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from elastic_oneshot.durability.records import Records
 from elastic_oneshot.durability.state import StateStore
-from elastic_oneshot.errors import CorruptStateError, UsageError
+from elastic_oneshot.errors import CorruptStateError, StorageError, UsageError
 from elastic_oneshot.loop.job import Job
 from elastic_oneshot.models.loadable import check_loadable
 from elastic_oneshot.models.source import SourceModel
@@ -45,8 +48,19 @@ def export(state: StateStore, records: Records, output: str, source: SourceModel
     partial = f"{out}.partial"
     if os.path.lexists(partial):
         shutil.rmtree(partial)  # an interrupted export of this job: check_output read its marker
+    try:
+        _build(partial, fingerprint, source, quantized, job, schemes)
+    except (OSError, SafetensorError) as e:  # a full or failing disk: nothing half-written stays behind
+        shutil.rmtree(partial, ignore_errors=True)
+        raise StorageError(partial, _os_error(e)) from None
+    _move_into_place(partial, out, fingerprint)
+    return output
+
+
+def _build(partial: str, fingerprint: str, source: SourceModel, quantized: dict, job: Job, schemes: dict | None):
+    """The whole checkpoint in `partial`, its marker first (an interrupted export is known as ours) and last."""
     os.makedirs(partial)
-    _write_marker(partial, fingerprint, [])  # first, so that an interrupted export is known as ours
+    _write_marker(partial, fingerprint, [])
     _write_weights(partial, source, quantized)
     for fname in sorted(os.listdir(source.path)):
         src = os.path.join(source.path, fname)
@@ -59,8 +73,14 @@ def export(state: StateStore, records: Records, output: str, source: SourceModel
     ModelCompressor(quantization_config=quantization).update_config(partial)
     check_loadable(partial, source, quantization, job.trust_remote_code)
     _write_marker(partial, fingerprint, sorted(set(os.listdir(partial)) - {MARKER}))
-    _move_into_place(partial, out, fingerprint)
-    return output
+
+
+def _os_error(e: Exception) -> OSError:
+    """safetensors reports a failed write as text ("... (os error 28)"): the OSError it was."""
+    if isinstance(e, OSError):
+        return e
+    code = re.search(r"os error (\d+)", str(e))
+    return OSError(int(code.group(1)), os.strerror(int(code.group(1)))) if code else OSError(errno.EIO, str(e))
 
 
 def check_output(out: str, fingerprint: str):
