@@ -4,6 +4,9 @@ everything checkable (paths, shards, tensors, --seq-len, the dataset) is checked
 import json
 import os
 import shutil
+import subprocess
+import sys
+import time
 
 import pytest
 from safetensors.torch import load_file, save_file
@@ -179,3 +182,22 @@ def test_a_config_with_fewer_layers_than_the_weights_is_refused_before_work(mode
     refused(run_cli("run", "--model", model_copy, "--output", tmp_path / "o", *JOB, check=False),
             "its weights hold layers up to 3, but config.json says num_hidden_layers 2")
     assert not (tmp_path / "o.state").exists()
+
+
+@pytest.mark.slow
+def test_a_second_job_on_the_same_output_is_refused_before_work(tiny_llama, tmp_path):
+    """Job A claims --output when it starts; job B (other settings, its own state) started while A runs is
+    refused at its start, not after computing every layer."""
+    out, first, second = tmp_path / "out", tmp_path / "a.state", tmp_path / "b.state"
+    a = subprocess.Popen([sys.executable, "-m", "elastic_oneshot", "run", "--model", tiny_llama, "--output", out,
+                          "--state", first, *map(str, JOB)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    while not (first / "commits").is_dir():
+        assert a.poll() is None, "job A ended before its first commit"
+        time.sleep(0.01)
+    a.kill()
+    a.wait()
+    refused(run_cli("run", "--model", tiny_llama, "--output", out, "--state", second, *JOB, "--seed", 1, check=False),
+            f"{out}.partial is in the way of the export and is not this job's")
+    assert not (second / "commits").exists()
+    run_cli("run", "--model", tiny_llama, "--output", out, "--state", first, *JOB)  # A resumes and finishes
+    assert sorted(p for p in os.listdir(tmp_path) if p != "b.state") == ["a.state", "out"]  # no OUT.partial left

@@ -20,7 +20,7 @@ from elastic_oneshot.durability.state import StateStore
 from elastic_oneshot.durability.storage import ObjectStorage, is_url
 from elastic_oneshot.errors import UsageError
 from elastic_oneshot.models.source import SourceModel
-from elastic_oneshot.surface.export import MARKER, check_output, export
+from elastic_oneshot.surface.export import MARKER, check_output, claim_output, export
 
 PENDING = "elastic-oneshot.pending.json"
 
@@ -39,6 +39,13 @@ def check_destination(output: str, fingerprint: str, state_root: str):
     probe = f".elastic-oneshot-probe-{uuid.uuid4().hex}"
     storage.put(probe, b"")
     storage.remove(probe)
+
+
+def claim_destination(output: str, fingerprint: str):
+    """Rank 0, once the state is this job's: a local --output is claimed for it (export.claim_output); an
+    object prefix is checked at the export, whose marker goes last."""
+    if not is_url(output):
+        claim_output(output.rstrip("/"), fingerprint)
 
 
 def export_to(state: StateStore, records: Records, output: str, source: SourceModel | None = None,

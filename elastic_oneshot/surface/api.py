@@ -11,7 +11,7 @@ import transformers
 from elastic_oneshot.distributed import signals
 from elastic_oneshot.distributed.world import World
 from elastic_oneshot.durability.boundaries import parse_every
-from elastic_oneshot.durability.destination import check_destination, export_to
+from elastic_oneshot.durability.destination import check_destination, claim_destination, export_to
 from elastic_oneshot.durability.records import Records, open_records
 from elastic_oneshot.durability.state import StateStore
 from elastic_oneshot.durability.storage import is_url
@@ -66,7 +66,8 @@ def oneshot(model: str | None = None, dataset: str = "builtin", scheme: str = "W
     world.agree("the job (model, dataset, recipe and sampling arguments)", record["fingerprint"])
     world.agree("the coordinator", job.coordinator)
     runner = Runner(job, state, records, source, world, schemes, parse_every(boundary_every), mtbf_s)
-    error = world.broadcast_object(_claim(state, records, record, job, restart) if world.rank == 0 else None)
+    claim = _claim(state, records, record, job, restart, output_dir) if world.rank == 0 else None
+    error = world.broadcast_object(claim)
     if error:
         raise UsageError(error)
     records.attach(world.rank, world.size, source.num_layers)
@@ -154,23 +155,30 @@ def _record_faults(state: StateStore, world: World, runner: Runner):
     return fault
 
 
-def _claim(state: StateStore, records: Records, record: dict, job: Job, restart: bool) -> str | None:
+def _claim(state: StateStore, records: Records, record: dict, job: Job, restart: bool, output: str) -> str | None:
     """Rank 0: resume the state, or start the job there with freshly drawn calibration samples (which
-    also surfaces dataset errors before any foreign state is touched). Errors travel to every rank as text."""
+    also surfaces dataset errors before any foreign state is touched); then claim the output. Errors travel to
+    every rank as text."""
     try:
-        if not restart and state.holds(record):
-            log.info("state %s belongs to this job: resuming", state.root)
-            records.adopt(record, state.root)
-            if state.job()["job"].get("coordinator") != record["job"]["coordinator"]:
-                state.write_json("job.json", {**state.job(), "job": record["job"]})  # where readers find it
-            state.remove_debris()
-            _restore_tokens(state, job)
-            return None
-        state.claim(record, _draw(job), restart=restart)
-        records.claim(record, state.root)
+        _claim_state(state, records, record, job, restart)
+        claim_destination(output, record["fingerprint"])
     except UsageError as e:
         return str(e)
     return None
+
+
+def _claim_state(state: StateStore, records: Records, record: dict, job: Job, restart: bool):
+    """Resume the state, or start the job there."""
+    if not restart and state.holds(record):
+        log.info("state %s belongs to this job: resuming", state.root)
+        records.adopt(record, state.root)
+        if state.job()["job"].get("coordinator") != record["job"]["coordinator"]:
+            state.write_json("job.json", {**state.job(), "job": record["job"]})  # where readers find it
+        state.remove_debris()
+        _restore_tokens(state, job)
+        return
+    state.claim(record, _draw(job), restart=restart)
+    records.claim(record, state.root)
 
 
 def _draw(job: Job):

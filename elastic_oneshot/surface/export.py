@@ -11,6 +11,7 @@ import json
 import os
 import re
 import shutil
+import uuid
 
 from compressed_tensors.compressors import ModelCompressor
 from safetensors import SafetensorError
@@ -100,6 +101,23 @@ def check_output(out: str, fingerprint: str):
     for leftover in (f"{out}.partial", f"{out}.old"):
         if os.path.lexists(leftover) and _our_files(leftover, fingerprint) is None:
             raise UsageError(f"{leftover} is in the way of the export and is not this job's: move it away")
+
+
+def claim_output(out: str, fingerprint: str):
+    """Before any work: OUT.partial holding this job's marker, so that a second job started on the same --output
+    is refused at its start (by check_output) rather than at its export. Made aside and renamed into place:
+    renaming a directory is atomic, so of two jobs claiming at once one wins and the other sees its marker."""
+    aside = f"{out}.partial.{uuid.uuid4().hex[:8]}"
+    os.makedirs(aside)
+    try:
+        _write_marker(aside, fingerprint, [])
+        if not os.path.lexists(out) and not os.path.lexists(f"{out}.partial"):
+            os.rename(aside, f"{out}.partial")
+    except OSError:
+        pass  # another job claimed it meanwhile: check_output says whose it is
+    finally:
+        shutil.rmtree(aside, ignore_errors=True)
+    check_output(out, fingerprint)
 
 
 def _our_files(directory: str, fingerprint: str) -> list[str] | None:
