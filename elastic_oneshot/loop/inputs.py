@@ -49,6 +49,7 @@ class LayerInputs:
         self._kwargs: dict = {}
         self._held_layer: int | None = None
         self._held: dict[int, torch.Tensor] = {}
+        self._damaged: set[int] = set()  # boundaries found damaged
 
     @functools.cached_property
     def tokens(self) -> torch.Tensor:
@@ -103,11 +104,14 @@ class LayerInputs:
         else the embeddings, then forward through the committed layers in between."""
         start, held = 0, None
         for boundary, records in self.durable(layer):
+            if boundary in self._damaged:
+                continue
             try:
                 held = {c: self.state.read_tensors(records[str(c)])["hidden_states"] for c in self.own}
                 start = boundary
                 break
             except CorruptStateError as e:
+                self._damaged.add(boundary)  # said once; every later restore skips it
                 log.warning("boundary %d: %s; replaying from an older one", boundary, e)
         if held is None:
             held = {c: self.embedder(self.tokens[slice(*self.chunks[c])]) for c in self.own}
