@@ -105,7 +105,8 @@ def bench(name: str, a, env: dict, peer: bool) -> dict:
     if peer:
         shutil.rmtree(peer_out, ignore_errors=True)
         theirs = measure("peer", [json.dumps(dict(model_dir=model, out=peer_out, dataset=data, samples=samples,
-                                                  seq_len=seq_len, group_size=128, moe="moe" in gpu.SHAPES[name][0]))],
+                                                  seq_len=seq_len, group_size=128, dtype="auto",
+                                                  moe="moe" in gpu.SHAPES[name][0]))],
                          os.path.join(work, "peer.log"), env)
         print(f"peer: {theirs['wall']:.1f} s", flush=True)
 

@@ -63,8 +63,8 @@ def ours(model: str, out, tmp_path, *args) -> str:
 def peer(model: str, out, tmp_path, **kwargs) -> str:
     if not gpu.peer_available():
         pytest.skip("llmcompressor is not installed (launch/wheelhouse.sh --peer brings it)")
-    measured("peer", [json.dumps({"model_dir": model, "out": str(out), "dataset": "builtin", **kwargs})], tmp_path,
-             out.name)
+    job = {"model_dir": model, "out": str(out), "dataset": "builtin", "dtype": "auto", **kwargs}
+    measured("peer", [json.dumps(job)], tmp_path, out.name)
     return str(out)
 
 

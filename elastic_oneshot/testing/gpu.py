@@ -3,7 +3,7 @@ calibration text that tokenizes to exact random token ids, and each side, ours o
 process of its own that reports its peak GPU memory and the GPU's name.
 
     python -m elastic_oneshot.testing.gpu ours REPORT.json run --model M ...   # the CLI, measured
-    python -m elastic_oneshot.testing.gpu peer REPORT.json '{"model_dir": ...}' # peer_oneshot(**JSON), measured
+    python -m elastic_oneshot.testing.gpu peer REPORT.json '{"model_dir": ...}' # peer.run_peer(**JSON), measured
 
 Both sides use the GPU when torch sees one (CUDA_VISIBLE_DEVICES= hides it).
 """
@@ -15,6 +15,8 @@ import sys
 import time
 
 import torch
+
+from elastic_oneshot.testing.peer import run_peer
 
 # Decoder shapes of real models, cut to a few layers: (model_type, layers, config). `TINY` has the same kinds at
 # sizes that run on CPU in seconds (every Linear's input a multiple of 128, for W4A16 groups of 128).
@@ -93,40 +95,6 @@ def make_shaped(path: str, name: str, tiny: bool = False, dtype=torch.bfloat16, 
     return path
 
 
-def peer_oneshot(model_dir: str, out: str, dataset: str, samples: int, seq_len: int, group_size: int = 128,
-                 moe: bool = False, scheme: str | None = None, dtype: str = "auto") -> str:
-    """llmcompressor 0.14's oneshot (sequential pipeline) on exactly our calibration tokens of `dataset`, with the
-    model in `dtype` ("auto": the checkpoint's): testing/peer.py's run_peer, for any dataset and dtype."""
-    import transformers
-    from datasets import Dataset
-    from llmcompressor import oneshot
-    from llmcompressor.modifiers.gptq import GPTQModifier
-
-    from elastic_oneshot.loop.data import calibration_samples
-
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
-    ids = calibration_samples(dataset, tokenizer, samples, seq_len, seed=0)
-    # The peer visits samples in torch.argsort order of their (equal) lengths: order the dataset so that it
-    # visits them as we do (see run_peer).
-    ids = ids[torch.argsort(torch.argsort(torch.tensor([seq_len] * samples), descending=True))]
-    ds = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist()})
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=dtype if dtype == "auto" else getattr(torch, dtype))
-    if scheme:
-        quantization = {"scheme": scheme, "targets": ["Linear"]}
-    else:
-        quantization = {"config_groups": {"group_0": {"targets": ["Linear"], "weights": {
-            "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": group_size}}}}
-    recipe = GPTQModifier(**quantization, ignore=["lm_head"] + (["re:.*mlp.gate$"] if moe else []),
-                          actorder="static", dampening_frac=0.01, block_size=128)
-    oneshot(model=model, dataset=ds, recipe=recipe, num_calibration_samples=samples, max_seq_length=seq_len,
-            shuffle_calibration_samples=False, pipeline="sequential",
-            **({"moe_calibrate_all_experts": True} if moe else {}))
-    model.save_pretrained(out, save_compressed=True)
-    tokenizer.save_pretrained(out)
-    return out
-
-
 def peer_available() -> bool:
     import importlib.util
 
@@ -177,7 +145,7 @@ def main(argv: list[str]) -> int:
 
         code = cli(rest)
     elif side == "peer":
-        peer_oneshot(**json.loads(rest[0]))
+        run_peer(**json.loads(rest[0]))
         code = 0
     else:
         raise SystemExit(f"unknown side {side}: ours or peer")

@@ -8,21 +8,23 @@ from elastic_oneshot.loop.data import calibration_samples
 
 
 def run_peer(model_dir: str, out: str, samples: int, seq_len: int, group_size: int = 128, moe: bool = False,
-             scheme: str | dict | None = None) -> str:
+             scheme: str | dict | None = None, dataset: str = "builtin", dtype: str = "float32") -> str:
     """GPTQ with `scheme` written to `out`: a preset name (e.g. "FP8") on every Linear, a `config_groups` dict,
     or by default W4A16 (symmetric int4 groups of `group_size`); static activation order, damping 0.01, lm_head
-    unquantized. With `moe`, every expert calibrates on every token and the routers stay unquantized, as ours do."""
+    unquantized. With `moe`, every expert calibrates on every token and the routers stay unquantized, as ours do.
+    The model loads in `dtype` ("auto": the checkpoint's)."""
     from datasets import Dataset
     from llmcompressor import oneshot
     from llmcompressor.modifiers.gptq import GPTQModifier
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
-    ids = calibration_samples("builtin", tokenizer, samples, seq_len, seed=0)
+    ids = calibration_samples(dataset, tokenizer, samples, seq_len, seed=0)
     # The peer visits samples in torch.argsort order of their (equal) lengths: order the dataset so that
     # it visits them as we do, since fp32 sums depend on the order.
     ids = ids[torch.argsort(torch.argsort(torch.tensor([seq_len] * samples), descending=True))]
     ds = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist()})
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=dtype if dtype == "auto" else getattr(torch, dtype))
     if isinstance(scheme, str):
         quantization = {"scheme": scheme, "targets": ["Linear"]}
     else:
