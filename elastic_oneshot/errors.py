@@ -4,10 +4,10 @@ import errno
 import sys
 
 
-def report(message: str):
-    """The one line every error ends in, on stderr: from the command line, or from a thread that must end the
-    process at once (the liveness watchdog)."""
-    print(f"elastic-oneshot: error: {message}", file=sys.stderr, flush=True)
+def report(message: str, after_bar: bool = False):
+    """The one line every error ends in, on stderr: from the command line, or (`after_bar`: on a line of its own
+    below a progress bar that may be mid-draw) from a thread that must end the process at once."""
+    print(f"{chr(10) if after_bar else ''}elastic-oneshot: error: {message}", file=sys.stderr, flush=True)
 
 
 class UsageError(Exception):

@@ -199,6 +199,37 @@ def test_a_worker_whose_other_rank_died_says_so_in_one_line(tmp_path):
     run_cli(*args, env=one_thread_env())  # the job goes on from its commits
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_frozen_rank_ends_its_peers_with_one_liveness_line(tmp_path):
+    """Rank 1 frozen (SIGSTOP) mid-job: rank 0 leaves after --collective-timeout with the one error line, not a log
+    record nor a traceback: its heartbeat watchdog's, or (when gloo's timeout fires first) the lost rank's."""
+    model = make_model(str(tmp_path / "llama12"), "llama", num_hidden_layers=12)
+    state, logs = tmp_path / "state", tmp_path / "logs"
+    args = ["run", "--model", model, "--output", tmp_path / "out", "--state", state, *JOB, "--collective-timeout", 4]
+    cmd = torchrun_cmd(2, *args, extra=["--log-dir", logs, "--redirects", "3"])
+    proc = subprocess.Popen(cmd, env=one_thread_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    victim = None
+    try:
+        deadline = time.monotonic() + 120
+        while not ((state / "commits").is_dir() and os.listdir(state / "commits")):
+            assert proc.poll() is None and time.monotonic() < deadline, "no layer was committed"
+            time.sleep(0.05)
+        victim = _workers(proc)[1]
+        victim.send_signal(signal.SIGSTOP)
+        proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        if victim is not None and victim.is_running():
+            victim.kill()  # in a session of its own: the agent's group is not its
+    survivor = next(logs.rglob("attempt_0/0/stderr.log")).read_text()
+    line = one_error_line(subprocess.CompletedProcess(cmd, 1, "", survivor), 1)
+    assert line.startswith(("elastic-oneshot: error: liveness: rank 1 silent for ",
+                            "elastic-oneshot: error: another rank was lost (Timed out waiting")), line
+
+
 @pytest.fixture
 def small_disk(tmp_path):
     """A 64 KiB tmpfs of this test's own, unmounted afterwards (needs root)."""

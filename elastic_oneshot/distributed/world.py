@@ -18,11 +18,13 @@ from elastic_oneshot.errors import UsageError, report
 log = logging.getLogger("elastic_oneshot")
 
 
-_RANK_LOST = re.compile(r"(?:\[[^\]]*\] )?(.*?(?:Connection reset by peer|Connection closed by peer|Broken pipe))")
+_RANK_LOST = re.compile(r"(?:\[[^\]]*\] )?(.*?(?:Connection reset by peer|Connection closed by peer|Broken pipe|"
+                        r"Timed out waiting \d+ms for \w+ operation to complete))")
 
 
 def rank_lost(error: BaseException) -> str | None:
-    """gloo's words, if `error` says that another rank vanished (killed, or its node lost) mid-collective."""
+    """gloo's words, if `error` says that another rank vanished (killed, or its node lost) or froze (the
+    collective timed out before the liveness watchdog spoke) mid-collective."""
     found = _RANK_LOST.search(str(error)) if isinstance(error, RuntimeError) else None
     return found.group(1) if found else None
 
@@ -68,7 +70,7 @@ class World:
         except Exception as e:  # the store itself may be the silent rank's
             if self._stop.is_set():
                 return
-            report(f"liveness: {e}; leaving so that the job can go on without it")
+            report(f"liveness: {e}; leaving so that the job can go on without it", after_bar=True)
             try:
                 if self.on_lost:
                     self.on_lost(str(e))
