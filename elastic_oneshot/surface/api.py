@@ -72,7 +72,6 @@ def oneshot(model: str | None = None, dataset: str = "builtin", scheme: str = "W
         raise UsageError(error)
     records.attach(world.rank, world.size, source.num_layers)
     fault = _record_faults(state, world, runner)
-
     if eval_samples and world.rank == 0:
         before = perplexity(job.model, dataset, eval_samples, job.seq_len, text_column)
     try:
