@@ -172,41 +172,15 @@ def _workers(proc: subprocess.Popen) -> dict[int, psutil.Process]:
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_a_worker_whose_other_rank_died_says_so_in_one_line(tmp_path):
+@pytest.mark.parametrize("fault", ["killed", "frozen"])
+def test_a_worker_whose_other_rank_died_or_froze_says_so_in_one_line(fault, tmp_path):
+    """Rank 1 killed mid-collective: rank 0 says the rank was lost. Rank 1 frozen (SIGSTOP): rank 0 leaves after
+    --collective-timeout with its heartbeat watchdog's line or, when gloo's timeout fires first, the lost rank's.
+    One error line either way, not a log record nor a traceback."""
     model = make_model(str(tmp_path / "llama12"), "llama", num_hidden_layers=12)
     state, logs = tmp_path / "state", tmp_path / "logs"
-    args = ["run", "--model", model, "--output", tmp_path / "out", "--state", state, *JOB]
-    cmd = torchrun_cmd(2, *args, extra=["--log-dir", logs, "--redirects", "3"])
-    proc = subprocess.Popen(cmd, env=one_thread_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        deadline = time.monotonic() + 120
-        while not ((state / "commits").is_dir() and os.listdir(state / "commits")):
-            assert proc.poll() is None and time.monotonic() < deadline, "no layer was committed"
-            time.sleep(0.05)
-        victim = _workers(proc)[1]
-        victim.send_signal(signal.SIGSTOP)  # rank 0 now waits for it in a collective
-        time.sleep(1.5)
-        victim.send_signal(signal.SIGKILL)
-        _, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert re.search(r"rank\s+: 0 .*\n.*exitcode\s+: 1 ", err), err[-3000:]
-    survivor = next(logs.rglob("attempt_0/0/stderr.log")).read_text()
-    line = one_error_line(subprocess.CompletedProcess(cmd, 1, "", survivor), 1)
-    assert "another rank was lost (" in line and "Connection reset by peer" in line
-    run_cli(*args, env=one_thread_env())  # the job goes on from its commits
-
-
-@pytest.mark.slow
-@pytest.mark.distributed
-def test_a_frozen_rank_ends_its_peers_with_one_liveness_line(tmp_path):
-    """Rank 1 frozen (SIGSTOP) mid-job: rank 0 leaves after --collective-timeout with the one error line, not a log
-    record nor a traceback: its heartbeat watchdog's, or (when gloo's timeout fires first) the lost rank's."""
-    model = make_model(str(tmp_path / "llama12"), "llama", num_hidden_layers=12)
-    state, logs = tmp_path / "state", tmp_path / "logs"
-    args = ["run", "--model", model, "--output", tmp_path / "out", "--state", state, *JOB, "--collective-timeout", 4]
+    args = ["run", "--model", model, "--output", tmp_path / "out", "--state", state, *JOB, "--collective-timeout",
+            60 if fault == "killed" else 4]
     cmd = torchrun_cmd(2, *args, extra=["--log-dir", logs, "--redirects", "3"])
     proc = subprocess.Popen(cmd, env=one_thread_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
@@ -217,8 +191,11 @@ def test_a_frozen_rank_ends_its_peers_with_one_liveness_line(tmp_path):
             assert proc.poll() is None and time.monotonic() < deadline, "no layer was committed"
             time.sleep(0.05)
         victim = _workers(proc)[1]
-        victim.send_signal(signal.SIGSTOP)
-        proc.communicate(timeout=120)
+        victim.send_signal(signal.SIGSTOP)  # rank 0 now waits for it in a collective
+        if fault == "killed":
+            time.sleep(1.5)
+            victim.send_signal(signal.SIGKILL)
+        _, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -226,8 +203,13 @@ def test_a_frozen_rank_ends_its_peers_with_one_liveness_line(tmp_path):
             victim.kill()  # in a session of its own: the agent's group is not its
     survivor = next(logs.rglob("attempt_0/0/stderr.log")).read_text()
     line = one_error_line(subprocess.CompletedProcess(cmd, 1, "", survivor), 1)
-    assert line.startswith(("elastic-oneshot: error: liveness: rank 1 silent for ",
-                            "elastic-oneshot: error: another rank was lost (Timed out waiting")), line
+    if fault == "frozen":
+        assert line.startswith(("elastic-oneshot: error: liveness: rank 1 silent for ",
+                                "elastic-oneshot: error: another rank was lost (Timed out waiting")), line
+        return
+    assert re.search(r"rank\s+: 0 .*\n.*exitcode\s+: 1 ", err), err[-3000:]
+    assert "another rank was lost (" in line and "Connection reset by peer" in line
+    run_cli(*args, env=one_thread_env())  # the job goes on from its commits
 
 
 @pytest.fixture
