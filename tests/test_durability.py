@@ -14,6 +14,7 @@ import time
 import pytest
 
 from elastic_oneshot import oneshot
+from elastic_oneshot.durability.state import StateStore
 from elastic_oneshot.testing.runs import run_cli, tree_digest
 from elastic_oneshot.testing.tiny import make_model, set_architecture
 
@@ -109,6 +110,33 @@ def test_damaged_files_are_redone_or_replayed_around(deep_llama, reference, tmp_
     assert "layer 2: 3 of 4 groups were solved before this restart; solving the other 1" in text
     assert "replaying layers 0..1 for 6 chunks" in text
     assert tree_digest(out) == reference
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("part", ["json", "safetensors"])
+def test_a_record_damaged_before_its_commit_is_written_again(part, deep_llama, reference, tmp_path, monkeypatch,
+                                                               caplog):
+    """A solved-group record damaged between its write and the layer's commit (found by the chaos run: the commit
+    named only the intact records, and every restart then failed to replay the layer)."""
+    write_solved, state = StateStore.write_solved, tmp_path / "state"
+
+    def damaged_once(self, layer, epoch, name, groups, tensors):
+        record = write_solved(self, layer, epoch, name, groups, tensors)
+        if (layer, name) == (3, "r0.b0001"):
+            damage(os.path.join(state, f"layers/00003/e{epoch:05d}.{name}.{part}"))
+        return record
+
+    monkeypatch.setattr(StateStore, "write_solved", damaged_once)
+    with caplog.at_level(logging.INFO, logger="elastic_oneshot"):
+        oneshot(model=deep_llama, output_dir=str(tmp_path / "out"), state_dir=str(state), **JOB)
+    assert "layer 3: the solved records of mlp.gate_proj were damaged before the commit; writing them again" in \
+        caplog.text
+    assert tree_digest(str(tmp_path / "out")) == reference
+    monkeypatch.undo()  # a resume replays every committed layer from its manifest alone
+    shutil.rmtree(tmp_path / "out")
+    os.remove(os.path.join(state, "commits/00007.e00001.json"))
+    oneshot(model=deep_llama, output_dir=str(tmp_path / "out"), state_dir=str(state), **JOB)
+    assert tree_digest(str(tmp_path / "out")) == reference
 
 
 @pytest.fixture(scope="module")

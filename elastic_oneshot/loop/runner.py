@@ -144,16 +144,18 @@ class Runner:
             self.state.append_event({"event": "layer", "layer": layer, "time": time.time(), "epoch": self.epoch})
         with _timed(seconds, "load"):
             module = self.source.load_layer(layer).to(self.device)
-            tensors, groups = self.reuse_solved(layer, module)
-        calib = self.calibrate(layer, module, groups, seconds)
+            groups = layer_groups(module, self.layer_modules[layer], self.source.family.shared_inputs,
+                                  self.job.moe_calibrate == "all")
+            tensors, todo = self.reuse_solved(layer, groups)
+        calib = self.calibrate(layer, module, todo, seconds)
         with _timed(seconds, "gptq"):
             self._writes = []  # this rank's writes of solved groups in this attempt
-            solved, notes = self.solve(module, layer, calib, groups)
+            solved, notes = self.solve(module, layer, calib, todo)
             tensors.update(solved)
         with _timed(seconds, "propagate"):
             self.propagate(layer, module, tensors)
         with _timed(seconds, "commit"):
-            self.commit(layer, notes, seconds)
+            self.commit(layer, notes, seconds, groups, tensors)
         if self.rank == 0:
             self.state.append_event({"event": "commit", "layer": layer, "time": time.time(), "epoch": self.epoch,
                                      "world_size": self.world.size, "seconds": seconds})
@@ -161,11 +163,9 @@ class Runner:
                  time.perf_counter() - t0, ", ".join(f"{k} {v:.2f}" for k, v in seconds.items()))
         self.progress.update(len(self.committed))
 
-    def reuse_solved(self, layer: int, module) -> tuple[dict, list[Group]]:
+    def reuse_solved(self, layer: int, groups: list[Group]) -> tuple[dict, list[Group]]:
         """Sub-layer progress: the compressed tensors of the groups an earlier attempt solved, and the
         groups still to solve."""
-        groups = layer_groups(module, self.layer_modules[layer], self.source.family.shared_inputs,
-                              self.job.moe_calibrate == "all")
         records = self.world.broadcast_object(self.state.fence_solved(layer, self.epoch) if self.rank == 0 else None)
         tensors = {}
         for r in records:
@@ -226,9 +226,10 @@ class Runner:
                 tensors.update(packing.pack(g, results[g.name]))
         return tensors, {name: {"damping": d} for g, d in executor.damping.items() for name, _ in g.modules}
 
-    def commit(self, layer: int, notes: dict, seconds: dict):
-        """Once every rank's weight files are durable, rank 0 commits the layer, with the newest boundary that
-        became durable since the last commit; then the layer counts as done."""
+    def commit(self, layer: int, notes: dict, seconds: dict, groups: list[Group], tensors: dict):
+        """Once every rank's weight files are durable, rank 0 commits the layer (its `groups`, compressed into
+        `tensors`), with the newest boundary that became durable since the last commit; then the layer counts
+        as done."""
         for f in self._writes:
             f.result()
         everyone = self.world.gather_objects({"notes": notes, **self.boundaries.report(seconds)})
@@ -236,7 +237,7 @@ class Runner:
         if self.rank == 0:
             self.records.commit(layer, self.epoch, {
                 "layer": layer, "epoch": self.epoch, "world_size": self.world.size,
-                "weights": [r["file"] for r in self.state.fence_solved(layer, self.epoch)],
+                "weights": self.weight_files(layer, groups, tensors),
                 "boundary": boundary,
                 "modules": {n: v for m in everyone for n, v in sorted(m["notes"].items())},
                 "seconds": seconds,
@@ -248,3 +249,20 @@ class Runner:
         if self.rank == 0 and boundary:
             self.state.prune_boundaries(below=self.boundaries.prunable(), epoch=self.epoch,
                                         current_epoch=self.records.current_epoch())
+
+    def weight_files(self, layer: int, groups: list[Group], tensors: dict) -> list[dict]:
+        """Rank 0: the intact solved-group records of the layer, which must cover all its `groups`. A record
+        damaged since it was written is skipped by fence_solved; its groups are written again here from
+        `tensors` (every rank holds the whole layer after propagation), so a commit never names less than
+        the whole layer."""
+        records = self.state.fence_solved(layer, self.epoch)
+        missing = [g for g in groups if g.name not in {name for r in records for name in r["groups"]}]
+        if missing:
+            log.warning("layer %d: the solved records of %s were damaged before the commit; writing them again",
+                        layer, ", ".join(g.name for g in missing))
+            prefix = f"{self.source.layer_prefix}{layer}."
+            part = {k: v.cpu() for k, v in tensors.items()
+                    if k.startswith(tuple(f"{prefix}{name}." for g in missing for name, _ in g.modules))}
+            records.append({"file": self.state.write_solved(layer, self.epoch, f"r0.b{len(self._writes):04d}",
+                                                            [g.name for g in missing], part)})
+        return [r["file"] for r in records]
