@@ -146,14 +146,18 @@ class Cluster:
     def epoch(self) -> int:
         return max((e["epoch"] for e in self.events() if e["event"] == "start"), default=0)
 
-    def wait_progress(self, after_epoch: int = -1, after_time: float = 0.0, timeout: float = 180):
-        """Until a layer commits in an epoch newer than `after_epoch` and later than `after_time`."""
+    def wait_progress(self, after_epoch: int = -1, after_time: float = 0.0, timeout: float = 180) -> bool:
+        """Until a layer commits in an epoch newer than `after_epoch` and later than `after_time`, or the job is
+        done; False if neither happens within `timeout` seconds (the job is stuck)."""
         deadline = time.monotonic() + timeout
-        while not self.done() and time.monotonic() < deadline:
+        while not self.done():
             if any(e["event"] == "commit" and e["epoch"] > after_epoch and e["time"] > after_time
                    for e in self.events()):
-                return
+                return True
+            if time.monotonic() > deadline:
+                return False
             time.sleep(0.05)
+        return True
 
     def done(self) -> bool:
         return os.path.isfile(os.path.join(self.output, "config.json"))
@@ -426,8 +430,8 @@ def main(argv=None) -> int:
     try:
         for _ in range(a.nodes):
             cluster.add_node()
-        cluster.wait_progress()
-        while len(faults) < a.faults and not cluster.done():
+        stuck = None if cluster.wait_progress() else "no layer committed after the start"
+        while len(faults) < a.faults and not cluster.done() and not stuck:
             time.sleep(rng.uniform(0, 0.5))
             if cluster.done():
                 break
@@ -441,10 +445,11 @@ def main(argv=None) -> int:
                 cluster.add_node()
             # Work again after this fault, in the new membership unless the fault leaves it as it is.
             restarts = kind not in ("corrupt_file", "restart_etcd")  # etcd coming back restarts nothing
-            cluster.wait_progress(cluster.epoch() if restarts else -1, faults[-1]["time"])
-        if not cluster.live():
+            if not cluster.wait_progress(cluster.epoch() if restarts else -1, faults[-1]["time"]):
+                stuck = f"no layer committed within 180 s after fault {len(faults)}"
+        if not cluster.live() and not stuck:
             cluster.add_node()
-        finished = cluster.wait_done()
+        finished = not stuck and cluster.wait_done()
     finally:
         cluster.close(etcd=False)  # the checks may read the job state from it
     try:
@@ -452,7 +457,8 @@ def main(argv=None) -> int:
     finally:
         cluster.close()
     if not finished:
-        print("the job did not finish")
+        print(f"the job did not finish: {stuck or 'not done within 600 s after the last fault'} (node logs: "
+              f"{a.workdir})")
         return 1
     events = cluster.events()
     print(table(figures(faults, events), events))

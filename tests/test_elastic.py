@@ -79,7 +79,7 @@ def test_two_nodes_one_killed_finishes_at_one(model, reference, tmp_path, cluste
 def test_a_second_node_joins(model, reference, tmp_path, clusters):
     cluster = clusters(str(tmp_path), model, JOB, max_nodes=2, collective_timeout=TIMEOUT)
     cluster.add_node()
-    cluster.wait_progress()
+    assert cluster.wait_progress()
     cluster.add_node()
     finish(cluster, reference)
     assert worlds(cluster)[0] == 1 and 2 in worlds(cluster)
@@ -89,7 +89,7 @@ def test_a_second_node_joins(model, reference, tmp_path, clusters):
 def test_standalone_store_survives_losing_rank_0(model, reference, tmp_path, clusters):
     cluster = clusters(str(tmp_path), model, JOB, max_nodes=2, collective_timeout=TIMEOUT)
     cluster.add_node(), cluster.add_node()
-    cluster.wait_progress()
+    assert cluster.wait_progress()
     host = cluster.rank0()
     assert host is not None
     host.signal_all(signal.SIGKILL)  # the node whose agent hosted nothing: the store is standalone
@@ -101,13 +101,13 @@ def test_standalone_store_survives_losing_rank_0(model, reference, tmp_path, clu
 def test_a_frozen_node_is_detected_and_left_behind(model, reference, tmp_path, clusters):
     cluster = clusters(str(tmp_path), model, JOB, max_nodes=2, collective_timeout=TIMEOUT)
     nodes = [cluster.add_node(), cluster.add_node()]
-    cluster.wait_progress()
+    assert cluster.wait_progress()
     frozen = nodes[1]
     frozen.signal_all(signal.SIGSTOP)
     frozen.stopped = True
     t = time.time()
     epoch = cluster.epoch()
-    cluster.wait_progress(after_epoch=epoch, timeout=120)
+    assert cluster.wait_progress(after_epoch=epoch, timeout=120)
     resumed = min(e["time"] for e in cluster.events() if e["event"] == "layer" and e["epoch"] > epoch)
     print(f"\nfrozen node left behind; work resumed {resumed - t:.1f} s after the freeze "
           f"(collective timeout {TIMEOUT} s)")
