@@ -18,6 +18,7 @@ from elastic_oneshot import oneshot
 from elastic_oneshot.errors import UsageError
 from elastic_oneshot.models import family
 from elastic_oneshot.models.source import SourceModel
+from elastic_oneshot.surface.cli import main
 from elastic_oneshot.testing.runs import TOLERANCE, check_compressed, packed_modules
 from elastic_oneshot.testing.tiny import make_tiny
 
@@ -92,3 +93,43 @@ def test_a_family_added_as_one_file_passes_the_sweep(tmp_path, caplog, unregiste
     linears = {n for n, m in source.skeleton.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
     assert packed_modules(out) == linears and len(linears) == 2 * 7
     assert 0 < check_compressed(model, out) < TOLERANCE
+
+
+class RaisingLayer(transformers.models.llama.modeling_llama.LlamaDecoderLayer):
+    def forward(self, hidden_states, **kwargs):
+        raise RuntimeError("a made-up kernel that cannot run here")
+
+
+class RaisingConfig(transformers.LlamaConfig):
+    model_type = "raising_llama"
+
+
+class RaisingForCausalLM(transformers.LlamaForCausalLM):
+    """A Llama whose decoder layers raise when called (as a type whose layers the loop cannot drive would)."""
+
+    config_class = RaisingConfig
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.model.layers = torch.nn.ModuleList(RaisingLayer(config, i) for i in range(config.num_hidden_layers))
+        self.post_init()
+
+
+transformers.AutoConfig.register("raising_llama", RaisingConfig, exist_ok=True)
+transformers.AutoModelForCausalLM.register(RaisingConfig, RaisingForCausalLM, exist_ok=True)
+
+
+def test_a_decoder_whose_layer_call_fails_is_refused_before_any_work(tmp_path, capsys):
+    model = make_tiny(str(tmp_path / "raising_llama"), "raising_llama")
+    out = tmp_path / "out"
+    capsys.readouterr()  # what saving the model printed
+    code = main(["run", "--model", model, "--output", str(out), "--num-samples", "8", "--seq-len", "32",
+                 "--group-size", "32"])
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert code == 2 and len(errors) == 1, errors
+    assert errors[0] == ("elastic-oneshot: error: architecture RaisingForCausalLM (model_type 'raising_llama') is not "
+                         "supported: a trial of its first decoder layer fails in forward (test_families.py:"
+                         f"{RaisingLayer.forward.__code__.co_firstlineno + 1}): RuntimeError: a made-up kernel that "
+                         "cannot run here")
+    assert not os.path.exists(tmp_path / "out.state" / "commits") and not os.path.exists(out)
+    assert not os.path.exists(tmp_path / "out.partial")

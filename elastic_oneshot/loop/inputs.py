@@ -9,13 +9,15 @@ through the committed quantized layers.
 
 import functools
 import logging
+import os
+import traceback
 from collections.abc import Callable
 
 import torch
 
 from elastic_oneshot.distributed import signals
 from elastic_oneshot.durability.state import StateStore
-from elastic_oneshot.errors import CorruptStateError
+from elastic_oneshot.errors import CorruptStateError, UsageError
 from elastic_oneshot.models.source import Embedder, SourceModel
 from elastic_oneshot.quantization.packing import unpack_into
 
@@ -50,6 +52,26 @@ class LayerInputs:
         self._held_layer: int | None = None
         self._held: dict[int, torch.Tensor] = {}
         self._damaged: set[int] = set()  # boundaries found damaged
+
+    @classmethod
+    def tried(cls, *args) -> "LayerInputs":
+        """LayerInputs(*args) once layer 0 has run on one sample of zeros, called as the run calls it (which
+        also caches its keyword arguments). Whatever fails there (a decoder the layer loop cannot drive) is the
+        one-line refusal that names the model type and the failing call, before any work."""
+        source = args[1]
+        try:
+            inputs = cls(*args)
+            with torch.inference_mode():
+                x = inputs.embedder(torch.zeros(1, inputs.seq_len, dtype=torch.int64))
+                inputs.forward(source.load_layer(0).to(inputs.device), 0, x.to(inputs.device))
+        except (UsageError, signals.Preempted, torch.OutOfMemoryError):
+            raise
+        except Exception as e:
+            frame = traceback.extract_tb(e.__traceback__)[-1]
+            where = f"{frame.name} ({os.path.basename(frame.filename)}:{frame.lineno})"
+            source.refuse(f"a trial of its first decoder layer fails in {where}: {type(e).__name__}: "
+                          f"{(str(e).splitlines() or [''])[0]}")
+        return inputs
 
     @functools.cached_property
     def tokens(self) -> torch.Tensor:

@@ -65,8 +65,8 @@ class Runner:
         self.layer_modules = source.by_layer(list(schemes))  # per layer, names local to it
         self.io = _io_thread()  # solved groups; boundaries have their own, so a commit never queues behind one
         own = list(partition(len(self.chunks), world.size, self.rank))
-        self.inputs = LayerInputs(state, source, job.seq_len, self.schemes, self.layer_modules, self.chunks, own,
-                                  self.device, self.manifest, self.durable)
+        self.inputs = LayerInputs.tried(state, source, job.seq_len, self.schemes, self.layer_modules, self.chunks,
+                                        own, self.device, self.manifest, self.durable)
         self.boundaries = Boundaries(state, _io_thread(), boundary_every, source.num_layers, len(self.chunks))
         self.mtbf_s = mtbf_s
 

@@ -55,6 +55,7 @@ class Family:
     """The generic adapter, for every model type that registers none."""
 
     stack = "layers"  # the decoder's attribute holding its layers (a ModuleList)
+    layer_outputs = 1  # how many values the decoder takes from each layer's call (hidden states first)
     # Sibling Linears that read one input, and so share one Hessian (vLLM merges each set into one matrix).
     shared_inputs = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
     # Siblings that share NVFP4's global scale: the peer's FUSED_LAYER_NAMES (llmcompressor/observers/helpers.py),
@@ -87,22 +88,24 @@ class Family:
 
     def experts(self, module: torch.nn.Module) -> Layout | None:
         """The layout of a fused experts container as transformers declares it (`use_experts_implementation`, whose
-        defaults hold for a class it does not declare): gate and up in one 3D parameter, the down projection in
-        another, and the default gating (act(gate) * up) or the class's own `_apply_gate` on the fused projection.
-        None for any other module, or for one whose shapes do not fit that layout."""
-        gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
-        if not (isinstance(gate_up, torch.nn.Parameter) and isinstance(down, torch.nn.Parameter)
-                and gate_up.dim() == 3 and down.dim() == 3 and getattr(module, "has_gate", True)):
+        defaults hold for a class it does not declare): gate and up in one 3D parameter (or up alone, where it
+        declares no gate: NemotronH's), the down projection in another, and the default gating (act(gate) * up, or
+        act(up)) or the class's own `_apply_gate` on the fused projection. None for any other module, or for one
+        whose shapes do not fit that layout."""
+        gated = getattr(module, "has_gate", True)
+        up, down = getattr(module, "gate_up_proj" if gated else "up_proj", None), getattr(module, "down_proj", None)
+        if not (isinstance(up, torch.nn.Parameter) and isinstance(down, torch.nn.Parameter)
+                and up.dim() == 3 and down.dim() == 3):
             return None
         interleaved = not getattr(module, "is_concatenated", True)
-        if "." in getattr(type(module), "_apply_gate", len).__qualname__:  # a method; transformers' default is not
+        if gated and "." in getattr(type(module), "_apply_gate", len).__qualname__:  # a method, not the default
             gating = own_gating(module._apply_gate, interleaved)
         elif callable(getattr(module, "act_fn", None)):
-            gating = default_gating(module.act_fn)
+            gating = default_gating(module.act_fn) if gated else module.act_fn
         else:
             return None
         layout = Layout(gating, transposed=getattr(module, "is_transposed", False), interleaved=interleaved,
-                        bias=getattr(module, "has_bias", False))
+                        bias=getattr(module, "has_bias", False), gated=gated)
         return layout if _fits(module, layout) else None
 
     def unsplit_experts(self, skeleton: torch.nn.Module) -> list[str]:
@@ -120,11 +123,13 @@ class Family:
         quantized router (PhiMoE's)."""
         inside = {id(m) for m in self.decoder(skeleton).modules()}
         dense = [n for n, m in skeleton.named_modules() if isinstance(m, torch.nn.Linear) and id(m) not in inside]
-        for name, experts in skeleton.named_modules():
-            if isinstance(experts, Experts):
-                block, own = name.rpartition(".")[0], {id(m) for m in experts.modules()}
-                dense += [n for n, m in skeleton.get_submodule(block).named_modules(prefix=block) if
-                          isinstance(m, torch.nn.Linear) and id(m) not in own and m.out_features in (1, len(experts))]
+        containers = {n: len(m) for n, m in skeleton.named_modules() if isinstance(m, Experts)}
+        for name in self.unsplit_experts(skeleton):  # JetMoE's routers, beside experts that stay fused
+            containers[name] = next(p for p in skeleton.get_submodule(name).parameters() if p.dim() >= 3).shape[0]
+        for name, count in containers.items():
+            block, own = name.rpartition(".")[0], {id(m) for m in skeleton.get_submodule(name).modules()}
+            dense += [n for n, m in skeleton.get_submodule(block).named_modules(prefix=block) if
+                      isinstance(m, torch.nn.Linear) and id(m) not in own and m.out_features in (1, count)]
         return dense
 
     def stored_names(self, skeleton: torch.nn.Module, checkpoint_names) -> dict[str, str]:
@@ -145,13 +150,13 @@ class Family:
 
 
 def _fits(module: torch.nn.Module, layout: Layout) -> bool:
-    """A fused container's down projection (and biases) have the shapes its gate_up_proj implies in `layout`."""
-    gate_up, down = module.gate_up_proj, module.down_proj
+    """A fused container's down projection (and biases) have the shapes its up projection implies in `layout`."""
+    up, down = getattr(module, layout.fused[0]), module.down_proj
     if layout.transposed:
-        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
-    num, intermediate2, hidden = gate_up.shape
-    shapes = [((num, hidden, intermediate2 // 2), down)]
+        up, down = up.transpose(1, 2), down.transpose(1, 2)
+    num, intermediate, hidden = up.shape
+    shapes = [((num, hidden, intermediate // (2 if layout.gated else 1)), down)]
     if layout.bias:
-        shapes += [((num, intermediate2), getattr(module, "gate_up_proj_bias", None)),
+        shapes += [((num, intermediate), getattr(module, f"{layout.fused[0]}_bias", None)),
                    ((num, hidden), getattr(module, "down_proj_bias", None))]
     return all(isinstance(t, torch.Tensor) and tuple(t.shape) == shape for shape, t in shapes)

@@ -20,21 +20,29 @@ from collections.abc import Callable
 
 import torch
 
-# A fused container's parameters, and the per-expert projections each holds (gate and up side by side).
-FUSED = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+# A fused container's parameters, and the per-expert projections each holds (gate and up side by side); ungated
+# experts (NemotronH's: down(act(up(x)))) hold only up and down.
+FUSED = {"gate_up_proj": ("gate_proj", "up_proj"), "up_proj": ("up_proj",), "down_proj": ("down_proj",)}
 
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """How a fused experts container holds and calls its experts, as its family says (models.family): weights as
     (out, in) or transposed, gate and up concatenated or interleaved, biases or none, called with the routed
-    tokens or (`stacked`) with every token repeated once per expert; `gating` makes (gate, up) one activation."""
+    tokens or (`stacked`) with every token repeated once per expert; `gating` makes (gate, up) one activation, or
+    for experts without a gate (not `gated`) is the activation of up alone."""
 
-    gating: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    gating: Callable[..., torch.Tensor]
     transposed: bool = False
     interleaved: bool = False
     bias: bool = False
     stacked: bool = False
+    gated: bool = True
+
+    @property
+    def fused(self) -> tuple[str, str]:
+        """The container's fused parameters: the one holding up (and gate), then down's."""
+        return ("gate_up_proj" if self.gated else "up_proj", "down_proj")
 
 
 def default_gating(act_fn) -> Callable:
@@ -64,15 +72,17 @@ def _own_gating(apply_gate, interleaved: bool, gate: torch.Tensor, up: torch.Ten
 
 
 class Expert(torch.nn.Module):
-    def __init__(self, hidden: int, intermediate: int, dtype, bias: bool, gating):
+    def __init__(self, hidden: int, intermediate: int, dtype, bias: bool, gating, gated: bool = True):
         super().__init__()
-        self.gate_proj = torch.nn.Linear(hidden, intermediate, bias=bias, dtype=dtype)
+        if gated:
+            self.gate_proj = torch.nn.Linear(hidden, intermediate, bias=bias, dtype=dtype)
         self.up_proj = torch.nn.Linear(hidden, intermediate, bias=bias, dtype=dtype)
         self.down_proj = RowsLinear(intermediate, hidden, bias=bias, dtype=dtype)
-        self.gating = gating
+        self.gating, self.gated = gating, gated
 
     def forward(self, x, rows=None):
-        return self.down_proj(self.gating(self.gate_proj(x), self.up_proj(x)), rows)
+        inner = self.gating(self.gate_proj(x), self.up_proj(x)) if self.gated else self.gating(self.up_proj(x))
+        return self.down_proj(inner, rows)
 
 
 class Experts(torch.nn.ModuleList):
@@ -82,10 +92,10 @@ class Experts(torch.nn.ModuleList):
     all_experts = False  # set by `experts_mode` during calibration passes with --moe-calibrate all
 
     def __init__(self, fused: torch.nn.Module, layout: Layout):
-        gate_up = fused.gate_up_proj.transpose(1, 2) if layout.transposed else fused.gate_up_proj
-        num, intermediate2, hidden = gate_up.shape
-        super().__init__(Expert(hidden, intermediate2 // 2, gate_up.dtype, layout.bias, layout.gating)
-                         for _ in range(num))
+        up = getattr(fused, layout.fused[0])
+        num, intermediate, hidden = (up.transpose(1, 2) if layout.transposed else up).shape
+        super().__init__(Expert(hidden, intermediate // (2 if layout.gated else 1), up.dtype, layout.bias,
+                                layout.gating, layout.gated) for _ in range(num))
         self.layout = layout
 
     def forward(self, hidden_states: torch.Tensor, top_k_index=None, top_k_weights=None):
@@ -113,7 +123,8 @@ class Experts(torch.nn.ModuleList):
 
     def fused_parameters(self) -> list[str]:
         """The names of the container's fused parameters, as a checkpoint stores them."""
-        return [f"{name}{suffix}" for name in FUSED for suffix in ("", "_bias") if suffix == "" or self.layout.bias]
+        return [f"{name}{suffix}" for name in self.layout.fused for suffix in ("", "_bias")
+                if suffix == "" or self.layout.bias]
 
     def unfused_names(self, name: str) -> list[str]:
         """The per-expert tensors (local names) that the container's fused parameter `name` holds."""

@@ -4,6 +4,7 @@ import copy
 import functools
 import hashlib
 import json
+import logging
 import os
 import struct
 
@@ -14,6 +15,8 @@ from safetensors import SafetensorError, safe_open
 from elastic_oneshot.errors import UsageError
 from elastic_oneshot.models.family import family_for
 from elastic_oneshot.models.moe import make_quantizable
+
+log = logging.getLogger("elastic_oneshot")
 
 
 def _read_header(path: str) -> bytes:
@@ -102,11 +105,12 @@ class SourceModel:
         self.decoder = self.family.decoder(self.skeleton)
         self.layers = self.family.layers(self.decoder)
         if self.layers is None:
-            self._refuse(f"its decoder {type(self.decoder).__name__} has no stack of layers (.{self.family.stack})")
+            self.refuse(f"its decoder {type(self.decoder).__name__} has no stack of layers (.{self.family.stack})")
         fused = self.family.unsplit_experts(self.skeleton)
-        if fused:
-            self._refuse(f"its experts {fused[0]} ({type(self.skeleton.get_submodule(fused[0])).__name__}) are "
-                         "fused in a layout that cannot be split into Linear modules")
+        if fused:  # JetMoE's: neither vLLM nor llm-compressor reads them per expert
+            log.warning("the experts of %s (%s, in %d modules: %s) stay dense: they are fused in a layout that is not "
+                        "split into Linear modules", self.config.model_type,
+                        type(self.skeleton.get_submodule(fused[0])).__name__, len(fused), ", ".join(fused[:2]))
         self.layer_prefix = next(n for n, m in self.skeleton.named_modules() if m is self.layers) + "."
 
     def _skeleton(self, trust_remote_code: bool, attention: str) -> torch.nn.Module:
@@ -117,13 +121,13 @@ class SourceModel:
                     self.config, dtype=self.dtype, attn_implementation=attention,
                     trust_remote_code=trust_remote_code)
         except (ValueError, KeyError, ImportError) as e:
-            self._refuse(str(e).splitlines()[0] if str(e) else type(e).__name__)
+            self.refuse(str(e).splitlines()[0] if str(e) else type(e).__name__)
         make_quantizable(skeleton, self.family.experts)
         _build_buffers(skeleton)
         self.family.teach_loader(skeleton)
         return skeleton
 
-    def _refuse(self, reason: str):
+    def refuse(self, reason: str):
         """Support is what the layer-by-layer loop needs; a model that lacks it is refused before any work."""
         arch = ",".join(self.config.architectures or [self.config.model_type])
         raise UsageError(f"architecture {arch} (model_type {self.config.model_type!r}) is not supported: {reason}")
@@ -291,15 +295,15 @@ class _Catcher(torch.nn.Module):
     """Stands in for a decoder layer (with the attributes the decoder reads off it): records the arguments it is
     called with, passes hidden states on."""
 
-    def __init__(self, attributes: dict, record: list):
+    def __init__(self, attributes: dict, record: list, outputs: int):
         super().__init__()
         for name, value in attributes.items():
             setattr(self, name, value)
-        self.record = record
+        self.record, self.outputs = record, outputs
 
     def forward(self, hidden_states, *args, **kwargs):
         self.record.append((hidden_states, args, kwargs))
-        return hidden_states
+        return hidden_states if self.outputs == 1 else (hidden_states,) + (None,) * (self.outputs - 1)
 
 
 class Embedder:
@@ -311,14 +315,18 @@ class Embedder:
         prefix = next(n for n, m in source.skeleton.named_modules() if m is decoder)
         shell = copy.deepcopy(decoder)
         self.record: list = []
-        setattr(shell, family.stack, torch.nn.ModuleList(_Catcher(family.layer_attributes(layer), self.record)
+        setattr(shell, family.stack, torch.nn.ModuleList(_Catcher(family.layer_attributes(layer), self.record,
+                                                                  family.layer_outputs)
                                                          for layer in source.layers))
-        shell.norm = torch.nn.Identity()
-        shell.rotary_emb = type(decoder.rotary_emb)(config=decoder.config)
-        self._load = lambda: source.load(decoder.embed_tokens, f"{prefix}.embed_tokens.")
-        shell.embed_tokens = self._load()
+        if isinstance(getattr(decoder, "norm", None), torch.nn.Module):
+            shell.norm = torch.nn.Identity()  # the final norm: its output is never used here
+        if getattr(decoder, "rotary_emb", None) is not None:  # None in configs without rotary positions
+            shell.rotary_emb = type(decoder.rotary_emb)(config=decoder.config)
+        self._embedding = next(n for n, m in decoder.named_children() if m is decoder.get_input_embeddings())
+        self._load = lambda: source.load(decoder.get_input_embeddings(), f"{prefix}.{self._embedding}.")
+        setattr(shell, self._embedding, self._load())
         for name, child in decoder.named_children():  # other modules (Phi's final_layernorm), as stored
-            if name not in (family.stack, "embed_tokens") and any(_meta(child)):
+            if name not in (family.stack, self._embedding) and any(_meta(child)):
                 setattr(shell, name, source.load(child, f"{prefix}.{name}."))
         if any(_meta(shell)):
             raise UsageError(f"{type(decoder).__name__} has parameters outside its modules: unsupported "
@@ -328,13 +336,13 @@ class Embedder:
 
     def release(self):
         """Drop the embedding table (vocab x hidden) once layer 0 is done; it is read again if needed."""
-        self.shell.embed_tokens = None
+        setattr(self.shell, self._embedding, None)
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Embedded hidden states for a batch of samples; caches the per-layer kwargs for its size."""
-        if self.shell.embed_tokens is None:
-            self.shell.embed_tokens = self._load()
+        if getattr(self.shell, self._embedding) is None:
+            setattr(self.shell, self._embedding, self._load())
         self.record.clear()
         self.shell(input_ids=input_ids, use_cache=False)
         hidden = self.record[0][0]

@@ -39,8 +39,8 @@ TINY_MOE = dict(num_experts=4, num_local_experts=4, n_routed_experts=4, num_expe
                 shared_expert_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=0, n_group=1,
                 topk_group=1, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
 TINY_TYPE = {  # what a type needs besides: sizes it derives differently, or layouts to keep small
-    "deepseek_v3": dict(num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=16,
-                        qk_nope_head_dim=16, v_head_dim=16),
+    **{t: dict(num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16,
+               v_head_dim=16) for t in ("deepseek_v3", "glm4_moe_lite")},  # multi-head latent attention
     "glm4_moe": dict(partial_rotary_factor=0.5),
     # experts of intermediate_size: kept equal to the moe_intermediate_size that every mixture here is given, which
     # llmcompressor's linearization reads where present
@@ -48,6 +48,14 @@ TINY_TYPE = {  # what a type needs besides: sizes it derives differently, or lay
     "falcon_h1": dict(mamba_d_ssm=128, mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=32),
     "qwen3_next": dict(layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
                        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16),
+    # hybrids of mamba and attention layers, one of each
+    "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"], mamba_n_heads=8, mamba_d_head=16,
+                             mamba_d_state=16, mamba_chunk_size=32),
+    "nemotron_h": dict(layer_types=["linear_attention", "moe", "full_attention", "mlp"], mamba_num_heads=8,
+                       mamba_head_dim=16, ssm_state_size=16, n_groups=1, chunk_size=32,
+                       moe_shared_expert_intermediate_size=32),
+    "bamba": dict(attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16,
+                  mamba_chunk_size=32),
 }
 
 
