@@ -1,6 +1,8 @@
 """Errors the command line reports as one line, without a traceback (docs/troubleshooting.md lists them)."""
 
 import errno
+import logging
+import os
 import sys
 
 
@@ -8,6 +10,13 @@ def report(message: str, after_bar: bool = False):
     """The one line every error ends in, on stderr: from the command line, or (`after_bar`: on a line of its own
     below a progress bar that may be mid-draw) from a thread that must end the process at once."""
     print(f"{chr(10) if after_bar else ''}elastic-oneshot: error: {message}", file=sys.stderr, flush=True)
+
+
+def exit_now(code: int):
+    """End the process at once, from a watchdog thread, once its one error line is out (`report`): logs flushed,
+    then os._exit, which waits for nothing (not for a collective or a store that may be the silent peer's)."""
+    logging.shutdown()
+    os._exit(code)
 
 
 class UsageError(Exception):

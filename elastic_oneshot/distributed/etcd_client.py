@@ -15,7 +15,8 @@ import warnings
 os.environ.setdefault("PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION", "python")
 
 import grpc  # noqa: E402
-import tenacity  # noqa: E402
+
+from elastic_oneshot.retry import retrying  # noqa: E402
 
 try:
     with warnings.catch_warnings():  # the pure-Python runtime deprecates how old generated code builds descriptors
@@ -92,11 +93,8 @@ class EtcdClient:
             raise _connection_error()(f"etcd at {self.host}:{self.port} failed: {exc!r}") from exc
 
     def call(self, method: str, *args, **kwargs):
-        retrying = tenacity.Retrying(
-            stop=tenacity.stop_after_delay(self.retry_timeout),
-            wait=tenacity.wait_random_exponential(multiplier=0.1, max=2),
-            retry=tenacity.retry_if_exception_type(_connection_error()), reraise=True)
-        return retrying(self.call_once, method, *args, **kwargs)
+        lost = _connection_error()
+        return retrying(self.retry_timeout, lambda e: isinstance(e, lost))(self.call_once, method, *args, **kwargs)
 
     def refresh_lease(self, lease_id: int) -> int:
         """One keep-alive of `lease_id` (never retried: the caller's loop is the retry); its remaining TTL, 0 when

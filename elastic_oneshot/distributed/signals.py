@@ -7,10 +7,11 @@ collective (where a Python signal handler would not run).
 """
 
 import logging
-import os
 import signal
 import threading
 import time
+
+from elastic_oneshot.errors import exit_now, report
 
 log = logging.getLogger("elastic_oneshot")
 EXIT_CODE = 128 + signal.SIGTERM
@@ -34,8 +35,8 @@ def install(grace_s: float = 20.0):
             callback()
         _requested.set()
         time.sleep(grace_s)
-        log.error("no safe point within %.0f s of SIGTERM: exiting now", grace_s)
-        os._exit(EXIT_CODE)
+        report(f"no safe point within {grace_s:.0f} s of SIGTERM: exiting now", after_bar=True)
+        exit_now(EXIT_CODE)
 
     threading.Thread(target=wait, name="sigterm", daemon=True).start()
 

@@ -13,7 +13,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from elastic_oneshot.errors import UsageError, report
+from elastic_oneshot.errors import UsageError, exit_now, report
 
 log = logging.getLogger("elastic_oneshot")
 
@@ -75,7 +75,7 @@ class World:
                 if self.on_lost:
                     self.on_lost(str(e))
             finally:
-                os._exit(1)
+                exit_now(1)
 
     @property
     def distributed(self) -> bool:

@@ -70,7 +70,8 @@ from elastic_oneshot.distributed.etcd_client import (
     is_transient,
 )
 from elastic_oneshot.durability.records import Records
-from elastic_oneshot.errors import CorruptStateError, StaleEpochError, UsageError
+from elastic_oneshot.durability.state import canonical_json
+from elastic_oneshot.errors import CorruptStateError, StaleEpochError, UsageError, exit_now, report
 
 log = logging.getLogger("elastic_oneshot")
 
@@ -80,10 +81,6 @@ PASSWORD_ENV = "ELASTIC_ONESHOT_ETCD_PASSWORD"
 MAX_MANIFEST_BYTES = 1 << 20
 LEASE_LOST_EXIT = 1
 _OPTIONS = {"cacert", "cert", "key", "user", "password", "ttl", "retry_timeout"}
-
-
-def _json(obj) -> bytes:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
 
 
 def parse_url(url: str) -> dict:
@@ -217,7 +214,7 @@ class EtcdRecords(Records):
         ok, (current, progress) = self._txn([], [Get(self._k("epoch")), Get(self._k("progress"))])
         value, meta = current[0] if current else (None, None)
         epoch = (int(value) if meta else 0) + 1
-        fence = _json({"epoch": epoch, "committed": {str(k): v for k, v in sorted(committed.items())},
+        fence = canonical_json({"epoch": epoch, "committed": {str(k): v for k, v in sorted(committed.items())},
                        "nonce": uuid.uuid4().hex, "time": time.time(), "world_size": self.world_size})
         cursor = 0
         while cursor in committed:
@@ -242,7 +239,7 @@ class EtcdRecords(Records):
         """Commit layer `layer` for `epoch` with `manifest`, in one transaction that succeeds only if `epoch` is
         still the newest, the layer is not committed in it yet, `layer` is the next one in order (the cursor:
         see the module docstring) and this rank still holds its lease; StaleEpochError otherwise."""
-        body = _json(manifest)
+        body = canonical_json(manifest)
         if len(body) > MAX_MANIFEST_BYTES:
             raise UsageError(f"the manifest of layer {layer} has {len(body)} bytes, too many for etcd: use a larger "
                              "--chunk-size (fewer chunk files), or no --coordinator")
@@ -279,7 +276,7 @@ class EtcdRecords(Records):
 
     def _progress(self, epoch: int, count: int, before: dict, layer: int | None) -> bytes:
         now = time.time()
-        return _json({"epoch": epoch, "world_size": self.world_size, "layers_committed": count,
+        return canonical_json({"epoch": epoch, "world_size": self.world_size, "layers_committed": count,
                       "layers_total": self.layers_total, "last_layer": layer if layer is not None else
                       before.get("last_layer"), "last_commit_time": now if layer is not None else
                       before.get("last_commit_time"), "time": now,
@@ -290,7 +287,7 @@ class EtcdRecords(Records):
         """A job starts (or restarts) in `state_root`: drop the prefix's epochs, commits, cursor and progress, and
         record the job. The epoch counter is kept, so epochs keep growing (a stale worker of the previous run
         can never match a new epoch). Idempotent."""
-        job = _json({"fingerprint": record["fingerprint"], "state": state_root})
+        job = canonical_json({"fingerprint": record["fingerprint"], "state": state_root})
         self._txn([], [Delete(**self._range("epochs/")), Delete(**self._range("commits/")),
                        Delete(self._k("cursor")), Delete(self._k("progress")), Put(self._k("job"), job)])
         self._view = None
@@ -319,8 +316,8 @@ class EtcdRecords(Records):
         ends the process if the lease is lost. Also sets what progress reports (world size, layers in all)."""
         self.rank, self.world_size, self.layers_total = rank, world_size, layers_total
         self._lease = self.etcd.call("lease", int(max(1, round(self.ttl)))).id  # a duplicate grant just expires
-        self._worker = _json({"rank": rank, "host": socket.gethostname(), "pid": os.getpid(), "lease": self._lease,
-                              "nonce": uuid.uuid4().hex})
+        self._worker = canonical_json({"rank": rank, "host": socket.gethostname(), "pid": os.getpid(),
+                                       "lease": self._lease, "nonce": uuid.uuid4().hex})
         self.etcd.call("put", self._k(f"workers/{rank}"), self._worker, lease=self._lease)
         self._stop.clear()
         self._thread = threading.Thread(target=self._keepalive, name="etcd-lease", daemon=True)
@@ -363,9 +360,9 @@ class EtcdRecords(Records):
             last_ok = sent
 
     def _exit(self, reason: str):
-        log.error("rank %s: %s; leaving so that no partitioned or frozen worker goes on writing", self.rank, reason)
-        logging.shutdown()
-        os._exit(LEASE_LOST_EXIT)
+        report(f"rank {self.rank}: {reason}; leaving so that no partitioned or frozen worker goes on writing",
+               after_bar=True)
+        exit_now(LEASE_LOST_EXIT)
 
     def _alive(self) -> list:
         return [Value(self._k(f"workers/{self.rank}")) == self._worker] if self._worker else []

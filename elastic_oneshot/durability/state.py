@@ -50,7 +50,8 @@ def digest(data: bytes) -> str:
     return xxhash.xxh3_128_hexdigest(data)
 
 
-def _canonical(obj) -> bytes:
+def canonical_json(obj) -> bytes:
+    """The one byte form of a record, for checksums and etcd values: keys sorted, no spaces."""
     return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
 
 
@@ -98,7 +99,7 @@ class StateStore:
 
     def write_json(self, rel: str, body: dict, exclusive: bool = False):
         """A JSON record that carries its own checksum, so a truncated or edited one is detected."""
-        self.write_bytes(rel, json.dumps({"body": body, "sha256": hashlib.sha256(_canonical(body)).hexdigest()},
+        self.write_bytes(rel, json.dumps({"body": body, "sha256": hashlib.sha256(canonical_json(body)).hexdigest()},
                                          indent=1, sort_keys=True).encode(), exclusive)
 
     def read_json(self, rel: str) -> dict | None:
@@ -109,7 +110,7 @@ class StateStore:
         try:
             doc = json.loads(raw)
             body = doc["body"]
-            ok = hashlib.sha256(_canonical(body)).hexdigest() == doc["sha256"]
+            ok = hashlib.sha256(canonical_json(body)).hexdigest() == doc["sha256"]
         except (ValueError, KeyError, TypeError):
             raise CorruptStateError(f"{rel} is not a readable record (truncated?)") from None
         if not ok:
@@ -152,7 +153,7 @@ class StateStore:
             return UsageError(f"another process is starting the same job in {self.root}: let it run, "
                               "and run again to resume once it has stopped")
         diff = [k for k in ("model", "dataset", "recipe", "samples")
-                if _canonical(current.get("identity", {}).get(k)) != _canonical(job["identity"][k])]
+                if canonical_json(current.get("identity", {}).get(k)) != canonical_json(job["identity"][k])]
         return UsageError(f"state directory {self.root} belongs to another job (different "
                           f"{', '.join(diff) or 'format or code'}): use another --state, or --restart to discard it")
 

@@ -36,10 +36,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import obstore
 import obstore.exceptions
-import tenacity
 from obstore.store import from_url
 
 from elastic_oneshot.errors import StorageError, UsageError
+from elastic_oneshot.retry import retrying
 
 log = logging.getLogger("elastic_oneshot")
 
@@ -253,11 +253,7 @@ class ObjectStorage(Storage):
         def logged(attempt):
             log.warning("object store: retrying %s after %s", what, _first_line(attempt.outcome.exception()))
 
-        retrying = tenacity.Retrying(stop=tenacity.stop_after_delay(self.retry_s),
-                                     wait=tenacity.wait_random_exponential(multiplier=0.1, max=2),
-                                     retry=tenacity.retry_if_exception(is_transient), reraise=True,
-                                     before_sleep=logged)
-        return retrying(fn, *args, **kwargs)
+        return retrying(self.retry_s, is_transient, before_sleep=logged)(fn, *args, **kwargs)
 
     def put(self, rel: str, data: bytes, exclusive: bool = False):
         try:
