@@ -14,7 +14,7 @@ import time
 import pytest
 
 from elastic_oneshot import oneshot
-from elastic_oneshot.durability.state import StateStore
+from elastic_oneshot.durability.protocol import CommitProtocol
 from elastic_oneshot.testing.runs import run_cli, tree_digest
 from elastic_oneshot.testing.tiny import make_model, set_architecture
 
@@ -118,7 +118,7 @@ def test_a_record_damaged_before_its_commit_is_written_again(part, deep_llama, r
                                                                caplog):
     """A solved-group record damaged between its write and the layer's commit (found by the chaos run: the commit
     named only the intact records, and every restart then failed to replay the layer)."""
-    write_solved, state = StateStore.write_solved, tmp_path / "state"
+    write_solved, state = CommitProtocol.write_solved, tmp_path / "state"
 
     def damaged_once(self, layer, epoch, name, groups, tensors):
         record = write_solved(self, layer, epoch, name, groups, tensors)
@@ -126,7 +126,7 @@ def test_a_record_damaged_before_its_commit_is_written_again(part, deep_llama, r
             damage(os.path.join(state, f"layers/00003/e{epoch:05d}.{name}.{part}"))
         return record
 
-    monkeypatch.setattr(StateStore, "write_solved", damaged_once)
+    monkeypatch.setattr(CommitProtocol, "write_solved", damaged_once)
     with caplog.at_level(logging.INFO, logger="elastic_oneshot"):
         oneshot(model=deep_llama, output_dir=str(tmp_path / "out"), state_dir=str(state), **JOB)
     assert "layer 3: the solved records of mlp.gate_proj were damaged before the commit; writing them again" in \

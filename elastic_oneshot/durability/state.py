@@ -28,7 +28,8 @@ that slips in after a newer fence was taken is not in that fence, and so is not 
 
 The fences and commits are the records (records.py): these files by default (records.FileRecords), or keys in
 etcd (etcd_records.EtcdRecords), and then epochs/ and commits/ stay empty. StateStore knows nothing of them:
-whoever needs the records opens them (records.open_records) and passes what they say.
+whoever needs the records opens them (records.open_records) and passes what they say. What makes a layer done
+(solved groups, their fences, commits, verification, pruning) is the commit protocol's (protocol.py).
 """
 
 import hashlib
@@ -200,56 +201,3 @@ class StateStore:
 
     def events(self) -> list[dict]:
         return self.storage.events()
-
-    # -- layers -------------------------------------------------------------------------------------
-    def verify(self, manifest: dict | None, layer: int, epoch: int) -> dict:
-        """`manifest`, the records' commit of `layer` in `epoch`, if it exists and its weight files check out
-        (CorruptStateError otherwise)."""
-        if manifest is None:
-            raise CorruptStateError(f"the commit of layer {layer} in epoch {epoch} is missing")
-        for record in manifest["weights"]:
-            self.read_bytes(record)
-        return manifest
-
-    def write_solved(self, layer: int, epoch: int, name: str, groups: list[str], tensors: dict) -> dict:
-        """Persist solved groups of a layer before the layer commits (sub-layer progress)."""
-        stem = f"layers/{layer:05d}/e{epoch:05d}.{name}"
-        record = self.write_tensors(f"{stem}.safetensors", tensors)
-        self.write_json(f"{stem}.json", {"groups": groups, "file": record})
-        return record
-
-    def fence_solved(self, layer: int, epoch: int) -> list[dict]:
-        """Rank 0, when `epoch` starts work on `layer`: the intact solved-group records it may reuse.
-        Records of older epochs count only if taken into this epoch's fence for the layer, which the first
-        call writes, so that a stale worker's late writes are never picked up."""
-        folder, fence = f"layers/{layer:05d}", f"layers/{layer:05d}/fence.e{epoch:05d}.json"
-        try:
-            listed = self.read_json(fence)
-        except CorruptStateError:
-            listed = None
-        names = sorted(n for n in self.names(folder) if n.endswith(".json") and n.startswith("e"))
-        out, older = [], []
-        for name in names:
-            own = name.startswith(f"e{epoch:05d}.")
-            if not own and listed is not None and name not in listed["records"]:
-                continue
-            try:
-                body = self.read_json(f"{folder}/{name}")
-                self.read_bytes(body["file"])
-            except (CorruptStateError, KeyError, TypeError):
-                continue
-            out.append(body)
-            older += [] if own else [name]
-        if listed is None:
-            self.write_json(fence, {"records": older})
-        return out
-
-    def prune_boundaries(self, below: int, epoch: int, current_epoch: int):
-        """Delete boundaries of layers below `below`, unless `epoch` is stale (`current_epoch`, the records'
-        newest, has moved on). Committed records may still name them: a reader that misses one recomputes it."""
-        if current_epoch != epoch:
-            return
-        for name in self.names("boundaries"):
-            if name.isdigit() and int(name) < below:
-                self.storage.remove(f"boundaries/{name}", best_effort=True)
-

@@ -11,11 +11,11 @@ import functools
 import logging
 import os
 import traceback
-from collections.abc import Callable
 
 import torch
 
 from elastic_oneshot.distributed import signals
+from elastic_oneshot.durability.protocol import CommitProtocol
 from elastic_oneshot.durability.state import StateStore
 from elastic_oneshot.errors import CorruptStateError, UsageError
 from elastic_oneshot.models.source import Embedder, SourceModel
@@ -36,17 +36,16 @@ def to_device(obj, device):
 
 
 class LayerInputs:
-    """Inputs of any layer for this rank's chunks. `manifest(layer)` is the layer's commit; `quantized`
-    lists each layer's quantized modules (names local to the layer); `chunks` are every chunk's sample
-    bounds, `own` the ids of this rank's; `durable(layer)` lists the durable boundaries at or below `layer`,
-    newest first, as (boundary layer, {chunk: file record})."""
+    """Inputs of any layer for this rank's chunks. `quantized` lists each layer's quantized modules (names local
+    to the layer); `chunks` are every chunk's sample bounds, `own` the ids of this rank's; `protocol` says which
+    layers are committed, with which weights, and which boundaries are durable."""
 
     def __init__(self, state: StateStore, source: SourceModel, seq_len: int, scheme,
                  quantized: list[list[str]], chunks: list[tuple[int, int]], own: list[int], device,
-                 manifest: Callable[[int], dict], durable: Callable[[int], list[tuple[int, dict]]]):
+                 protocol: CommitProtocol):
         self.state, self.source, self.seq_len, self.scheme = state, source, seq_len, scheme
         self.quantized, self.chunks, self.own, self.device = quantized, chunks, own, device
-        self.manifest, self.durable = manifest, durable
+        self.protocol = protocol
         self.embedder = Embedder(source)
         self._kwargs: dict = {}
         self._held_layer: int | None = None
@@ -112,7 +111,7 @@ class LayerInputs:
         """A committed layer with its quantized weights, on the device."""
         module = self.source.load_layer(layer).to(self.device)
         tensors = {}
-        for record in self.manifest(layer)["weights"]:
+        for record in self.protocol.manifest(layer)["weights"]:
             tensors.update(to_device(self.state.read_tensors(record), self.device))
         self.unpack(module, layer, tensors)
         return module
@@ -125,7 +124,7 @@ class LayerInputs:
         """Inputs to `layer` from storage: the newest durable boundary at or below it that reads back intact,
         else the embeddings, then forward through the committed layers in between."""
         start, held = 0, None
-        for boundary, records in self.durable(layer):
+        for boundary, records in self.protocol.durable(layer):
             if boundary in self._damaged:
                 continue
             try:

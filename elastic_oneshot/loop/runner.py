@@ -18,9 +18,10 @@ import torch
 from elastic_oneshot.distributed import signals
 from elastic_oneshot.distributed.world import World
 from elastic_oneshot.durability.boundaries import Boundaries, mtbf_from
+from elastic_oneshot.durability.protocol import CommitProtocol
 from elastic_oneshot.durability.records import Records
 from elastic_oneshot.durability.state import StateStore
-from elastic_oneshot.errors import CorruptStateError, StaleEpochError
+from elastic_oneshot.errors import StaleEpochError
 from elastic_oneshot.loop.calibration import Calibration
 from elastic_oneshot.loop.data import chunk_bounds, partition
 from elastic_oneshot.loop.inputs import LayerInputs, to_device
@@ -57,8 +58,9 @@ class Runner:
 
     def __init__(self, job: Job, state: StateStore, records: Records, source: SourceModel, world: World,
                  schemes: dict, boundary_every: int | None = None, mtbf_s: float | None = None):
-        self.job, self.state, self.records, self.source, self.world = job, state, records, source, world
+        self.job, self.state, self.source, self.world = job, state, source, world
         self.rank, self.device = world.rank, world.device
+        self.protocol = CommitProtocol(state, records)
         self.epoch, self.committed = 0, {}  # set by begin_epoch(): this epoch, and layer -> epoch of its commit
         self.schemes = schemes
         self.chunks = chunk_bounds(job.num_samples, job.chunk_size)
@@ -66,37 +68,27 @@ class Runner:
         self.io = _io_thread()  # solved groups; boundaries have their own, so a commit never queues behind one
         own = list(partition(len(self.chunks), world.size, self.rank))
         self.inputs = LayerInputs.tried(state, source, job.seq_len, self.schemes, self.layer_modules, self.chunks,
-                                        own, self.device, self.manifest, self.durable)
+                                        own, self.device, self.protocol)
         self.boundaries = Boundaries(state, _io_thread(), boundary_every, source.num_layers, len(self.chunks))
         self.mtbf_s = mtbf_s
 
     # -- epochs ---------------------------------------------------------------------------------------
-    def verified(self) -> dict[int, int]:
-        """Rank 0: the committed layers (layer -> epoch) whose records and weight files check out."""
-        valid = {}
-        for layer, epoch in sorted(self.records.committed().items()):
-            try:
-                self.state.verify(self.records.manifest(layer, epoch), layer, epoch)
-                valid[layer] = epoch
-            except CorruptStateError as e:
-                log.warning("layer %d will be redone: %s", layer, e)
-        return valid
-
     def begin_epoch(self):
         """Fence a new epoch on what verifies now; every rank learns the epoch and the committed layers."""
         start = None
         if self.rank == 0:
-            valid = self.verified()
+            valid = self.protocol.verified()
             try:
                 mtbf = self.mtbf_s or mtbf_from(self.state.events(), time.time())
-                start = {"epoch": self.records.begin_epoch(valid), "committed": valid, "mtbf": mtbf}
+                start = {"epoch": self.protocol.begin_epoch(valid), "committed": valid, "mtbf": mtbf}
             except StaleEpochError as e:
                 start = {"error": str(e)}
         start = self.world.broadcast_object(start)
         if "error" in start:
             raise StaleEpochError(start["error"])
         self.epoch, self.committed = start["epoch"], start["committed"]
-        self.boundaries.restart([b for b, _ in self.durable(self.source.num_layers)], start["mtbf"])
+        self.protocol.view = self.committed
+        self.boundaries.restart([b for b, _ in self.protocol.durable(self.source.num_layers)], start["mtbf"])
         if self.rank == 0:
             todo = [layer for layer in range(self.source.num_layers) if layer not in self.committed]
             self.state.append_event({"event": "start", "time": time.time(), "epoch": self.epoch,
@@ -116,25 +108,12 @@ class Runner:
                     if layer not in self.committed:
                         signals.check(f"before layer {layer}")
                         self.process(layer)
-                intact = self.world.broadcast_object(self.verified() == self.committed if self.rank == 0 else None)
+                intact = self.world.broadcast_object(self.protocol.verified() == self.committed if self.rank == 0
+                                                     else None)
                 if intact:
                     self.boundaries.drain()
                     return
                 self.begin_epoch()
-
-    def manifest(self, layer: int) -> dict:
-        """The commit of a layer committed in this epoch's view."""
-        return self.records.manifest(layer, self.committed[layer])
-
-    def durable(self, layer: int) -> list[tuple[int, dict]]:
-        """The boundaries at or below `layer` that this epoch's commits record as durable, newest first, as
-        (boundary layer, {chunk: file record})."""
-        found = {}
-        for committed in sorted(self.committed):
-            entry = self.manifest(committed).get("boundary")
-            if entry and entry["layer"] <= layer:
-                found[entry["layer"]] = entry["chunks"]
-        return sorted(found.items(), reverse=True)
 
     # -- one layer ------------------------------------------------------------------------------------
     def process(self, layer: int):
@@ -166,7 +145,7 @@ class Runner:
     def reuse_solved(self, layer: int, groups: list[Group]) -> tuple[dict, list[Group]]:
         """Sub-layer progress: the compressed tensors of the groups an earlier attempt solved, and the
         groups still to solve."""
-        records = self.world.broadcast_object(self.state.fence_solved(layer, self.epoch) if self.rank == 0 else None)
+        records = self.world.broadcast_object(self.protocol.solved(layer, self.epoch) if self.rank == 0 else None)
         tensors = {}
         for r in records:
             tensors.update(to_device(self.state.read_tensors(r["file"]), self.device))
@@ -214,7 +193,7 @@ class Runner:
             packed = {k: v for g, weight in solved for k, v in packing.pack(g, weight).items()}
             written.update(g.name for g, _ in solved)
             tensors.update(packed)
-            self._writes.append(self.io.submit(self.state.write_solved, layer, self.epoch,
+            self._writes.append(self.io.submit(self.protocol.write_solved, layer, self.epoch,
                                                f"r{self.rank}.b{len(self._writes):04d}", [g.name for g, _ in solved],
                                                {k: v.cpu() for k, v in packed.items()}))
 
@@ -235,34 +214,15 @@ class Runner:
         everyone = self.world.gather_objects({"notes": notes, **self.boundaries.report(seconds)})
         boundary = self.boundaries.settle(everyone)
         if self.rank == 0:
-            self.records.commit(layer, self.epoch, {
-                "layer": layer, "epoch": self.epoch, "world_size": self.world.size,
-                "weights": self.weight_files(layer, groups, tensors),
-                "boundary": boundary,
-                "modules": {n: v for m in everyone for n, v in sorted(m["notes"].items())},
-                "seconds": seconds,
-            })
+            prefix = f"{self.source.layer_prefix}{layer}."
+            self.protocol.commit(layer, self.epoch, {
+                "layer": layer, "epoch": self.epoch, "world_size": self.world.size, "boundary": boundary,
+                "modules": {n: v for m in everyone for n, v in sorted(m["notes"].items())}, "seconds": seconds,
+            }, {g.name: [f"{prefix}{name}." for name, _ in g.modules] for g in groups}, tensors,
+                f"r0.b{len(self._writes):04d}")
         self.world.barrier()
         self.committed[layer] = self.epoch
         if layer == 0:
             self.inputs.embedder.release()
         if self.rank == 0 and boundary:
-            self.state.prune_boundaries(below=self.boundaries.prunable(), epoch=self.epoch,
-                                        current_epoch=self.records.current_epoch())
-
-    def weight_files(self, layer: int, groups: list[Group], tensors: dict) -> list[dict]:
-        """Rank 0: the intact solved-group records of the layer, which must cover all its `groups`. A record
-        damaged since it was written is skipped by fence_solved; its groups are written again here from
-        `tensors` (every rank holds the whole layer after propagation), so a commit never names less than
-        the whole layer."""
-        records = self.state.fence_solved(layer, self.epoch)
-        missing = [g for g in groups if g.name not in {name for r in records for name in r["groups"]}]
-        if missing:
-            log.warning("layer %d: the solved records of %s were damaged before the commit; writing them again",
-                        layer, ", ".join(g.name for g in missing))
-            prefix = f"{self.source.layer_prefix}{layer}."
-            part = {k: v.cpu() for k, v in tensors.items()
-                    if k.startswith(tuple(f"{prefix}{name}." for g in missing for name, _ in g.modules))}
-            records.append({"file": self.state.write_solved(layer, self.epoch, f"r0.b{len(self._writes):04d}",
-                                                            [g.name for g in missing], part)})
-        return [r["file"] for r in records]
+            self.protocol.prune(below=self.boundaries.prunable(), epoch=self.epoch)

@@ -17,6 +17,7 @@ from compressed_tensors.compressors import ModelCompressor
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
+from elastic_oneshot.durability.protocol import CommitProtocol
 from elastic_oneshot.durability.records import Records
 from elastic_oneshot.durability.state import StateStore
 from elastic_oneshot.errors import CorruptStateError, StorageError, UsageError
@@ -154,16 +155,17 @@ def _move_into_place(partial: str, out: str, fingerprint: str):
 
 def _committed_weights(state: StateStore, records: Records, record: dict) -> dict:
     quantized: dict = {}
-    committed = records.committed()
+    protocol = CommitProtocol(state, records)
+    protocol.view = records.committed()
     for layer in range(record["num_layers"]):
-        if layer not in committed:
+        if layer not in protocol.view:
             raise UsageError(f"layer {layer} of {record['num_layers']} is not committed: "
                              "finish the job with `elastic-oneshot run` first")
         try:
-            manifest = state.verify(records.manifest(layer, committed[layer]), layer, committed[layer])
+            weights = protocol.weights(layer)
         except CorruptStateError as e:
             raise UsageError(f"layer {layer} failed verification ({e}): rerun `elastic-oneshot run`") from None
-        for w in manifest["weights"]:
+        for w in weights:
             quantized.update(state.read_tensors(w))
     return quantized
 

@@ -17,9 +17,9 @@ import json
 import sys
 import time
 
+from elastic_oneshot.durability.protocol import CommitProtocol
 from elastic_oneshot.durability.records import Records, open_records
 from elastic_oneshot.durability.state import StateStore
-from elastic_oneshot.errors import CorruptStateError
 
 RECENT = 5  # layers that set the speed behind the ETA
 REFRESH_S = 5.0
@@ -72,22 +72,17 @@ def report(state: StateStore | str, now: float | None = None, records: Records |
         "redone_layers": sum(n - 1 for n in per_layer.values()),
         "faults": [e for e in events if e["event"] in FAULTS],
         "commits": [{"layer": c["layer"], "epoch": c["epoch"], "time": c["time"]} for c in commits],
-        **_replay(records, committed, total, commits),
+        **_replay(state, records, committed, total, commits),
     }
 
 
-def _replay(records: Records, committed: dict[int, int], total: int, commits: list[dict]) -> dict:
+def _replay(state: StateStore, records: Records, committed: dict[int, int], total: int, commits: list[dict]) -> dict:
     """The newest durable boundary below the next layer to do, and what a restart now would replay from it: the
     layers in between, and their propagation seconds as last measured."""
     following = next((layer for layer in range(total) if layer not in committed), total)
-    boundary = 0
-    for layer, epoch in committed.items():
-        try:
-            entry = (records.manifest(layer, epoch) or {}).get("boundary")
-        except CorruptStateError:
-            continue  # the run finds it too, and redoes that layer
-        if entry and boundary < entry["layer"] <= following:
-            boundary = entry["layer"]
+    protocol = CommitProtocol(state, records)
+    protocol.view = committed
+    boundary = next((b for b, _ in protocol.durable(following)), 0)
     propagate = {c["layer"]: c.get("seconds", {}).get("propagate", 0.0) for c in commits}
     return {"durable_boundary": boundary, "replay_layers": following - boundary,
             "replay_s": _round(sum(propagate.get(layer, 0.0) for layer in range(boundary, following)))}
