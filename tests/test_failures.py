@@ -15,6 +15,7 @@ import psutil
 import pytest
 import torch
 
+from elastic_oneshot.distributed.world import rank_lost
 from elastic_oneshot.durability.state import StateStore
 from elastic_oneshot.errors import UsageError
 from elastic_oneshot.models.source import SourceModel
@@ -205,7 +206,8 @@ def test_a_worker_whose_other_rank_died_or_froze_says_so_in_one_line(fault, tmp_
     line = one_error_line(subprocess.CompletedProcess(cmd, 1, "", survivor), 1)
     if fault == "frozen":
         assert line.startswith(("elastic-oneshot: error: liveness: rank 1 silent for ",
-                                "elastic-oneshot: error: another rank was lost (Timed out waiting")), line
+                                "elastic-oneshot: error: another rank was lost (Timed out waiting",
+                                "elastic-oneshot: error: another rank was lost (Application timeout")), line
         return
     assert re.search(r"rank\s+: 0 .*\n.*exitcode\s+: 1 ", err), err[-3000:]
     assert "another rank was lost (" in line and "Connection reset by peer" in line
@@ -274,3 +276,12 @@ def test_troubleshooting_lists_every_message_and_exit_code():
     assert not missing, "messages missing from docs/troubleshooting.md:\n" + "\n".join(missing)
     for code in (1, 2, 3, 4, 143):
         assert f"| {code} |" in doc
+
+
+@pytest.mark.parametrize("words", ["Connection reset by peer", "Application timeout caused pair closure",
+                                   "Timed out waiting 10000ms for recv operation to complete"])
+def test_gloo_words_for_a_lost_or_frozen_rank(words):
+    """Whichever of gloo's errors a collective ends in when a peer dies or freezes is read as a lost rank (and the
+    worker leaves in one line), and nothing else is."""
+    assert rank_lost(RuntimeError(f"[../third_party/gloo/gloo/transport/tcp/pair.cc:534] {words}")) == words
+    assert rank_lost(RuntimeError("size mismatch")) is None and rank_lost(ValueError(words)) is None

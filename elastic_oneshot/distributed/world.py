@@ -19,7 +19,8 @@ log = logging.getLogger("elastic_oneshot")
 
 
 _RANK_LOST = re.compile(r"(?:\[[^\]]*\] )?(.*?(?:Connection reset by peer|Connection closed by peer|Broken pipe|"
-                        r"Timed out waiting \d+ms for \w+ operation to complete))")
+                        r"Timed out waiting \d+ms for \w+ operation to complete|"
+                        r"Application timeout caused pair closure))")
 
 
 def rank_lost(error: BaseException) -> str | None:
