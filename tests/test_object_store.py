@@ -394,9 +394,9 @@ def test_export_to_the_server_all_or_nothing(s3, llama4, reference, tmp_path, mo
     prefix holding what this job did not write is refused and left as it was."""
     import transformers
 
-    from elastic_oneshot.durability.destination import PENDING, export_to
+    from elastic_oneshot.durability.destination import MARKER, PENDING, open_destination
     from elastic_oneshot.durability.records import open_records
-    from elastic_oneshot.surface.export import MARKER
+    from elastic_oneshot.surface.export import export
 
     state_url, out_url = f"s3://{BUCKET}/export.state", f"s3://{BUCKET}/export"
     oneshot(model=llama4, output_dir=out_url, state_dir=state_url, **JOB)
@@ -415,7 +415,7 @@ def test_export_to_the_server_all_or_nothing(s3, llama4, reference, tmp_path, mo
 
     monkeypatch.setattr(ObjectStorage, "upload", failing)
     with pytest.raises(StorageError, match="connection lost"):
-        export_to(state, open_records(state), out_url)
+        export(state, open_records(state), open_destination(out_url))
     assert MARKER not in out.names("") and PENDING in out.names("")  # a reader sees it incomplete
     monkeypatch.undo()
     run_cli("export", "--state", state_url, "--output", out_url)

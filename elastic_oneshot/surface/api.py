@@ -11,10 +11,9 @@ import transformers
 from elastic_oneshot.distributed import signals
 from elastic_oneshot.distributed.world import World
 from elastic_oneshot.durability.boundaries import parse_every
-from elastic_oneshot.durability.destination import check_destination, claim_destination, export_to
+from elastic_oneshot.durability.destination import Destination, open_destination
 from elastic_oneshot.durability.records import Records, open_records
 from elastic_oneshot.durability.state import StateStore
-from elastic_oneshot.durability.storage import is_url
 from elastic_oneshot.errors import CorruptStateError, StaleEpochError, UsageError
 from elastic_oneshot.loop.data import calibration_samples
 from elastic_oneshot.loop.job import Job, job_record
@@ -25,7 +24,8 @@ from elastic_oneshot.quantization.plan import describe, layer_groups, make_plan
 from elastic_oneshot.quantization.recipe import Recipe
 from elastic_oneshot.quantization.recipe_loader import load_recipe
 from elastic_oneshot.surface.evaluate import perplexity
-from elastic_oneshot.surface.preflight import check_separate, check_seq_len, check_writable
+from elastic_oneshot.surface.export import export
+from elastic_oneshot.surface.preflight import check_locations, check_seq_len
 
 log = logging.getLogger("elastic_oneshot")
 
@@ -61,12 +61,13 @@ def oneshot(model: str | None = None, dataset: str = "builtin", scheme: str = "W
                      moe_calibrate="all" if moe_calibrate_all_experts else "routed"))
     output_dir = output_dir or f"{os.path.basename(job.model.rstrip('/'))}-{recipe.scheme}"
     state_dir = state_dir or f"{output_dir.rstrip('/')}.state"
-    job, state, records, source, record, schemes = _open(job, state_dir, output_dir, coordinator,
+    destination = open_destination(output_dir)
+    job, state, records, source, record, schemes = _open(job, state_dir, destination, coordinator,
                                                          allow_long_seq, collective_timeout)
     world.agree("the job (model, dataset, recipe and sampling arguments)", record["fingerprint"])
     world.agree("the coordinator", job.coordinator)
     runner = Runner(job, state, records, source, world, schemes, parse_every(boundary_every), mtbf_s)
-    claim = _claim(state, records, record, job, restart, output_dir) if world.rank == 0 else None
+    claim = _claim(state, records, record, job, restart, destination) if world.rank == 0 else None
     error = world.broadcast_object(claim)
     if error:
         raise UsageError(error)
@@ -85,7 +86,7 @@ def oneshot(model: str | None = None, dataset: str = "builtin", scheme: str = "W
     if world.rank != 0:
         return output_dir
 
-    export_to(state, records, output_dir, source, schemes)
+    export(state, records, destination, source, schemes)
     log.info("wrote %s", output_dir)
     if eval_samples:
         _compare(before, output_dir, dataset, eval_samples, job.seq_len, text_column)
@@ -115,19 +116,13 @@ def _recipe(recipe, options: Recipe) -> Recipe:
     return load_recipe(recipe)
 
 
-def _open(job: Job, state_dir: str, output_dir: str, coordinator: str | None, allow_long_seq: bool,
+def _open(job: Job, state_dir: str, destination: Destination, coordinator: str | None, allow_long_seq: bool,
           collective_timeout: float):
     """Everything checkable before any work: where state and output go, the model's weights, the sequence
     length, the output, the recipe against the model; then the state (an object store's retries within half the
     collective timeout, so that peers wait them out), its records, the job's record and each quantized module's
     scheme (computed once a run: the runner and the export take them)."""
-    local_state = None if is_url(state_dir) else state_dir  # an object store is checked by its first write
-    local_output = None if is_url(output_dir) else output_dir  # a prefix: check_destination
-    check_separate(model=job.model, state=local_state, output=local_output)
-    if local_state:
-        check_writable(state_dir, "--state")
-    if local_output:
-        check_writable(output_dir, "--output", beside=True)
+    check_locations(job.model, state_dir, destination)
     state = StateStore(state_dir, retry_s=collective_timeout / 2)
     records = open_records(state, coordinator)
     job = dataclasses.replace(job, coordinator=records.url)  # given, or job.json's
@@ -135,7 +130,7 @@ def _open(job: Job, state_dir: str, output_dir: str, coordinator: str | None, al
     source.check_weights()
     check_seq_len(job.seq_len, source.config, allow_long_seq)
     record = job_record(job, source.digest(), source.num_layers)
-    check_destination(output_dir, record["fingerprint"], state.root)
+    destination.check(record["fingerprint"], state.root)
     return job, state, records, source, record, job.recipe.module_schemes(source.skeleton, source.family)
 
 
@@ -154,13 +149,14 @@ def _record_faults(state: StateStore, world: World, runner: Runner):
     return fault
 
 
-def _claim(state: StateStore, records: Records, record: dict, job: Job, restart: bool, output: str) -> str | None:
+def _claim(state: StateStore, records: Records, record: dict, job: Job, restart: bool,
+           destination: Destination) -> str | None:
     """Rank 0: resume the state, or start the job there with freshly drawn calibration samples (which
     also surfaces dataset errors before any foreign state is touched); then claim the output. Errors travel to
     every rank as text."""
     try:
         _claim_state(state, records, record, job, restart)
-        claim_destination(output, record["fingerprint"])
+        destination.claim(record["fingerprint"])
     except UsageError as e:
         return str(e)
     return None

@@ -169,12 +169,14 @@ def _command(args):
                 recipe=args.recipe, coordinator=args.coordinator, allow_long_seq=args.allow_long_seq,
                 boundary_every=args.boundary_every, mtbf_s=args.mtbf)
     elif args.command == "export":
-        from elastic_oneshot.durability.destination import export_to
+        from elastic_oneshot.durability.destination import open_destination
         from elastic_oneshot.durability.records import open_records
         from elastic_oneshot.durability.state import StateStore
+        from elastic_oneshot.surface.export import export
 
         state = StateStore(args.state)
-        print(export_to(state, open_records(state), args.output))
+        export(state, open_records(state), open_destination(args.output))
+        print(args.output)
     elif args.command == "plan":
         from elastic_oneshot.quantization.recipe import Recipe
         from elastic_oneshot.surface.api import plan

@@ -4,6 +4,7 @@ import errno
 import os
 import tempfile
 
+from elastic_oneshot.durability.storage import is_url
 from elastic_oneshot.errors import UsageError
 
 
@@ -17,6 +18,16 @@ def check_separate(**paths: str):
                 raise UsageError(f"--{a} and --{b} are the same directory {pa}: give each its own")
             if a != b and pb.startswith(pa.rstrip(os.sep) + os.sep):
                 raise UsageError(f"--{b} {pb} is inside --{a} {pa}: give them separate directories")
+
+
+def check_locations(model: str, state: str, destination):
+    """Before the model is read: the model, a local state and a local output apart, and each writable where it
+    is local (a state on an object store is checked by its first write, a prefix by its destination)."""
+    local_state = None if is_url(state) else state
+    check_separate(model=model, state=local_state, output=destination.local)
+    if local_state:
+        check_writable(state, "--state")
+    destination.preflight()
 
 
 def check_writable(path: str, option: str, beside: bool = False):
