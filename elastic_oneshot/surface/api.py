@@ -40,8 +40,7 @@ def oneshot(model: str | None = None, dataset: str = "builtin", scheme: str = "W
             moe_calibrate_all_experts: bool = True, coordinator: str | None = None,
             attention: str = "eager", allow_long_seq: bool = False, boundary_every: str | int = "auto",
             mtbf_s: float | None = None) -> str:
-    """Compress `model` with GPTQ, resumably; return the output directory.
-
+    """Compress `model` with GPTQ, resumably; return the output directory (a local one, or an object-store prefix).
     Arguments mirror llmcompressor's `oneshot` where they mean the same. `recipe` is what llmcompressor takes
     (a GPTQModifier, a list of modifiers, a YAML file or text; see recipe_loader) or a Recipe; without it, `scheme`
     and the GPTQ arguments after `text_column` make one. `state_dir` holds the progress (default: `<output_dir>.state`;
