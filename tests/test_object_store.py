@@ -433,3 +433,42 @@ def test_export_to_the_server_all_or_nothing(s3, llama4, reference, tmp_path, mo
     assert other.names("") == ["model.safetensors"]
     refused = run_cli("export", "--state", state_url, "--output", f"{state_url}/out", check=False)
     assert "overlap" in refused.stderr
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("kind", ["directory", "prefix"])
+def test_one_destination_rule_for_a_directory_and_a_prefix(kind, s3, tmp_path):
+    """The same cases against a local directory and a prefix on the server: a publish replaces this job's previous
+    files (and drops one it no longer writes), the marker lists exactly what is there, and a file this tool did not
+    write or another job's output is refused and left as it was."""
+    from elastic_oneshot.durability.destination import MARKER, listed, open_destination, write_marker
+
+    where = str(tmp_path / "out") if kind == "directory" else f"s3://{BUCKET}/dest-{tmp_path.name}"
+    files = (lambda: sorted(os.listdir(where))) if kind == "directory" else (
+        lambda: sorted(ObjectStorage(where).names("")))
+    read = (lambda name: (tmp_path / "out" / name).read_bytes()) if kind == "directory" else ObjectStorage(where).get
+
+    def publish(fingerprint: str, contents: dict[str, bytes]):
+        destination = open_destination(where)
+        destination.check(fingerprint, str(tmp_path / "state"))
+        destination.claim(fingerprint)
+        with destination.building(fingerprint) as built:
+            os.makedirs(built, exist_ok=True)
+            for name, data in contents.items():
+                (tmp_path / built / name).write_bytes(data)
+            write_marker(built, fingerprint, sorted(contents))
+            destination.publish(built, fingerprint)
+
+    publish("job-a", {"model.safetensors": b"1", "old.json": b"{}"})
+    publish("job-a", {"model.safetensors": b"2"})
+    assert files() == [MARKER, "model.safetensors"] and read("model.safetensors") == b"2"
+    assert listed(read(MARKER), "job-a") == ["model.safetensors"] and listed(read(MARKER), "job-b") is None
+    with pytest.raises(UsageError, match="is not this job's checkpoint"):
+        publish("job-b", {"model.safetensors": b"3"})
+    if kind == "directory":
+        (tmp_path / "out" / "notes.txt").write_bytes(b"mine")
+    else:
+        ObjectStorage(where).put("notes.txt", b"mine")
+    with pytest.raises(UsageError, match=r"holds files this tool did not write \(notes.txt\)"):
+        publish("job-a", {"model.safetensors": b"4"})
+    assert files() == [MARKER, "model.safetensors", "notes.txt"] and read("model.safetensors") == b"2"

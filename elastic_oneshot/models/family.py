@@ -81,6 +81,21 @@ class Family:
         layers = getattr(decoder, self.stack, None)
         return layers if isinstance(layers, torch.nn.ModuleList) else None
 
+    def embedding(self, decoder: torch.nn.Module) -> str:
+        """The name of the decoder's token embedding (Llama's `embed_tokens`, GPT-NeoX's `embed_in`)."""
+        return next(n for n, m in decoder.named_children() if m is decoder.get_input_embeddings())
+
+    def stand_ins(self, decoder: torch.nn.Module) -> dict[str, torch.nn.Module]:
+        """Decoder children to replace when only the layers' inputs are wanted: the final norm (its output is never
+        used) and the rotary embedding, built afresh (its buffers are not in the checkpoint; Granite 4 hybrids
+        have none)."""
+        out = {}
+        if isinstance(getattr(decoder, "norm", None), torch.nn.Module):
+            out["norm"] = torch.nn.Identity()
+        if getattr(decoder, "rotary_emb", None) is not None:
+            out["rotary_emb"] = type(decoder.rotary_emb)(config=decoder.config)
+        return out
+
     def layer_attributes(self, layer: torch.nn.Module) -> dict:
         """What the decoder's forward may read off a layer besides calling it (for the stand-in that records the
         layers' inputs)."""

@@ -318,13 +318,12 @@ class Embedder:
         setattr(shell, family.stack, torch.nn.ModuleList(_Catcher(family.layer_attributes(layer), self.record,
                                                                   family.layer_outputs)
                                                          for layer in source.layers))
-        if isinstance(getattr(decoder, "norm", None), torch.nn.Module):
-            shell.norm = torch.nn.Identity()  # the final norm: its output is never used here
-        if getattr(decoder, "rotary_emb", None) is not None:  # None in configs without rotary positions
-            shell.rotary_emb = type(decoder.rotary_emb)(config=decoder.config)
-        self._embedding = next(n for n, m in decoder.named_children() if m is decoder.get_input_embeddings())
-        self._load = lambda: source.load(decoder.get_input_embeddings(), f"{prefix}.{self._embedding}.")
+        for name, module in family.stand_ins(decoder).items():
+            setattr(shell, name, module)
+        self._embedding = family.embedding(decoder)
+        self._load = lambda: source.load(decoder.get_submodule(self._embedding), f"{prefix}.{self._embedding}.")
         setattr(shell, self._embedding, self._load())
+        self._embedded = True
         for name, child in decoder.named_children():  # other modules (Phi's final_layernorm), as stored
             if name not in (family.stack, self._embedding) and any(_meta(child)):
                 setattr(shell, name, source.load(child, f"{prefix}.{name}."))
@@ -337,12 +336,14 @@ class Embedder:
     def release(self):
         """Drop the embedding table (vocab x hidden) once layer 0 is done; it is read again if needed."""
         setattr(self.shell, self._embedding, None)
+        self._embedded = False
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Embedded hidden states for a batch of samples; caches the per-layer kwargs for its size."""
-        if getattr(self.shell, self._embedding) is None:
+        if not self._embedded:
             setattr(self.shell, self._embedding, self._load())
+            self._embedded = True
         self.record.clear()
         self.shell(input_ids=input_ids, use_cache=False)
         hidden = self.record[0][0]
