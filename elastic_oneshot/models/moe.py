@@ -92,7 +92,7 @@ class Experts(torch.nn.ModuleList):
     all_experts = False  # set by `experts_mode` during calibration passes with --moe-calibrate all
 
     def __init__(self, fused: torch.nn.Module, layout: Layout):
-        up = getattr(fused, layout.fused[0])
+        up = fused.get_parameter(layout.fused[0])
         num, intermediate, hidden = (up.transpose(1, 2) if layout.transposed else up).shape
         super().__init__(Expert(hidden, intermediate // (2 if layout.gated else 1), up.dtype, layout.bias,
                                 layout.gating, layout.gated) for _ in range(num))
