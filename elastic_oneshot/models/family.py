@@ -3,9 +3,9 @@
 A family says which Auto class builds the whole model (a causal LM, or an image-text model with a language model
 inside); where the language model's decoder and its stack of layers are, and what the decoder's forward reads off a
 layer; which modules are fused experts containers and in which layout they become per-expert Linears (moe.Layout),
-and which are left fused (refused); how the skeleton's tensor names become the checkpoint's, and what transformers
-must be taught to load per-expert weights back; which sibling Linears read one input (one Hessian) and which share
-a fused scale (NVFP4's global scale); and which Linears stay dense whatever the recipe targets.
+and which are left fused (kept dense, with a warning); how the skeleton's tensor names become the checkpoint's, and
+what transformers must be taught to load per-expert weights back; which sibling Linears read one input (one Hessian)
+and which share a fused scale (NVFP4's global scale); and which Linears stay dense whatever the recipe targets.
 
 `Family` is the generic adapter: it reads what transformers declares and probes what it does not, here and nowhere
 else. A family that needs its own answers is one file in models/families/ (each imported on the first lookup): a
