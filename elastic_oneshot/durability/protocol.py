@@ -21,11 +21,12 @@ log = logging.getLogger("elastic_oneshot")
 
 class CommitProtocol:
     """The job's progress in `state` and `records`. `view` is the committed layers (layer -> epoch of its commit)
-    as the current epoch sees them: set by whoever begins or reads an epoch, and extended by each commit."""
+    as the current epoch sees them: given by whoever reads the records, set again when an epoch begins, and extended
+    by each commit."""
 
-    def __init__(self, state: StateStore, records: Records):
+    def __init__(self, state: StateStore, records: Records, view: dict[int, int] | None = None):
         self.state, self.records = state, records
-        self.view: dict[int, int] = {}
+        self.view: dict[int, int] = {} if view is None else view
 
     # -- reading ------------------------------------------------------------------------------------
     def verified(self) -> dict[int, int]:

@@ -53,13 +53,12 @@ class LayerInputs:
         self._damaged: set[int] = set()  # boundaries found damaged
 
     @classmethod
-    def tried(cls, *args) -> "LayerInputs":
-        """LayerInputs(*args) once layer 0 has run on one sample of zeros, called as the run calls it (which
-        also caches its keyword arguments). Whatever fails there (a decoder the layer loop cannot drive) is the
-        one-line refusal that names the model type and the failing call, before any work."""
-        source = args[1]
+    def tried(cls, state: StateStore, source: SourceModel, *args) -> "LayerInputs":
+        """LayerInputs(state, source, *args) once layer 0 has run on one sample of zeros, called as the run calls
+        it (which also caches its keyword arguments). Whatever fails there (a decoder the layer loop cannot drive)
+        is the one-line refusal that names the model type and the failing call, before any work."""
         try:
-            inputs = cls(*args)
+            inputs = cls(state, source, *args)
             with torch.inference_mode():
                 x = inputs.embedder(torch.zeros(1, inputs.seq_len, dtype=torch.int64))
                 inputs.forward(source.load_layer(0).to(inputs.device), 0, x.to(inputs.device))

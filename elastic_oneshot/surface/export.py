@@ -80,8 +80,7 @@ def _os_error(e: Exception) -> OSError:
 
 def _committed_weights(state: StateStore, records: Records, record: dict) -> dict:
     quantized: dict = {}
-    protocol = CommitProtocol(state, records)
-    protocol.view = records.committed()
+    protocol = CommitProtocol(state, records, records.committed())
     for layer in range(record["num_layers"]):
         if layer not in protocol.view:
             raise UsageError(f"layer {layer} of {record['num_layers']} is not committed: "

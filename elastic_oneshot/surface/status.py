@@ -80,9 +80,7 @@ def _replay(state: StateStore, records: Records, committed: dict[int, int], tota
     """The newest durable boundary below the next layer to do, and what a restart now would replay from it: the
     layers in between, and their propagation seconds as last measured."""
     following = next((layer for layer in range(total) if layer not in committed), total)
-    protocol = CommitProtocol(state, records)
-    protocol.view = committed
-    boundary = next((b for b, _ in protocol.durable(following)), 0)
+    boundary = next((b for b, _ in CommitProtocol(state, records, committed).durable(following)), 0)
     propagate = {c["layer"]: c.get("seconds", {}).get("propagate", 0.0) for c in commits}
     return {"durable_boundary": boundary, "replay_layers": following - boundary,
             "replay_s": _round(sum(propagate.get(layer, 0.0) for layer in range(boundary, following)))}
