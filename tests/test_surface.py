@@ -10,6 +10,7 @@ import sys
 import time
 
 import matplotlib.image
+import psutil
 import pytest
 import torch
 
@@ -160,7 +161,13 @@ def test_status_of_a_preempted_job_finished_at_another_world_size(llama8, tmp_pa
         while not ((state / "commits").is_dir() and len(os.listdir(state / "commits")) >= 2):
             assert launcher.poll() is None, (tmp_path / "torchrun.log").read_text()[-3000:]
             time.sleep(0.05)
+        workers = psutil.Process(launcher.pid).children()
+        for w in workers:  # frozen first, so that the job cannot finish before the notice reaches it
+            w.suspend()
         launcher.send_signal(signal.SIGTERM)  # a spot notice: torchrun passes it to the workers
+        time.sleep(1)
+        for w in workers:
+            w.resume()
         assert launcher.wait(timeout=60) != 0
 
     middle = report(str(state))
