@@ -1,18 +1,23 @@
 """Activation boundaries: which layers' inputs also go to storage, written behind the computation.
 
 Activations stay in each rank's host memory from one layer to the next. A layer's commit carries its
-weights and the data cursor and never waits for a boundary: boundaries are written by the I/O thread
+weights and the data cursor and never waits for a boundary: boundaries are written by their own I/O thread
 while the next layers compute, at most one in flight per rank (a new one waits for it: bounded memory,
-no queue), and a boundary is durable only once a commit records every chunk of it. A restart reads the
+no queue), chunk by chunk, each chunk waiting while a commit's files upload (`Priority`: on a shared link
+a commit never queues behind boundary bytes, only behind the chunk already started), and a boundary is
+durable only once a commit records every chunk of it. A restart reads the
 newest durable boundary and replays the committed layers after it (forward passes only).
 
 How often (`--boundary-every`): every N layers; 0, never (a restart replays from the embeddings); or
-auto: Young and Daly's interval sqrt(2 C M) for a write taking C seconds and a mean time between
-failures M, in layers, at most 1 + (a layer's compute / its propagation), so that a replay costs at
-most one layer's compute; a boundary due while a write is still in flight anywhere is skipped.
+auto: Young and Daly's interval sqrt(2 C M) for a write taking C seconds (as measured, sharing the
+link) and a mean time between failures M, in layers, at most 1 + (a layer's compute / its propagation),
+so that a replay costs at most one layer's compute, and at least the layers a write takes, so that
+writes never queue; a boundary due while a write is still in flight anywhere is skipped. The first
+boundary of an epoch measures the write: no other is due until a commit has reported it.
 """
 
 import math
+import threading
 import time
 from concurrent.futures import Executor, Future
 
@@ -38,10 +43,11 @@ def parse_every(text: str | int) -> int | None:
 
 
 def auto_interval(write_s: float, layer_s: float, propagate_s: float, mtbf_s: float) -> int:
-    """Young and Daly's optimal interval in layers, bounded so that a replay costs at most one layer."""
+    """Young and Daly's optimal interval in layers, bounded so that a replay costs at most one layer, unless a
+    write takes longer than that: never less than the layers one write takes."""
     young = math.sqrt(2 * write_s * mtbf_s) / max(layer_s, 1e-9)
     bound = 1 + int(layer_s / max(propagate_s, 1e-9))
-    return max(1, min(round(young), bound))
+    return max(1, math.ceil(write_s / max(layer_s, 1e-9)), min(round(young), bound))
 
 
 def mtbf_from(events: list[dict], now: float) -> float:
@@ -53,6 +59,32 @@ def mtbf_from(events: list[dict], now: float) -> float:
     return (now - starts[0]) / len(starts)
 
 
+class Priority:
+    """Writes a commit waits for go first: `submit` runs one on an executor, and `wait` returns once none is
+    queued or running."""
+
+    def __init__(self):
+        self._running = 0
+        self._idle = threading.Condition()
+
+    def submit(self, io: Executor, fn, *args) -> Future:
+        with self._idle:
+            self._running += 1
+        return io.submit(self._run, fn, *args)
+
+    def _run(self, fn, *args):
+        try:
+            return fn(*args)
+        finally:
+            with self._idle:
+                self._running -= 1
+                self._idle.notify_all()
+
+    def wait(self):
+        with self._idle:
+            self._idle.wait_for(lambda: self._running == 0)
+
+
 def path(layer: int, epoch: int, chunk: int) -> str:
     return f"boundaries/{layer:05d}/e{epoch:05d}/chunk-{chunk:05d}.safetensors"
 
@@ -62,8 +94,9 @@ class Boundaries:
     durable. Every decision is taken from what all ranks gathered at the last commit (`settle`), so every
     rank takes the same one. `every`: N layers, 0 never, None auto."""
 
-    def __init__(self, state: StateStore, io: Executor, every: int | None, num_layers: int, num_chunks: int):
-        self.state, self.io, self.every = state, io, every
+    def __init__(self, state: StateStore, io: Executor, every: int | None, num_layers: int, num_chunks: int,
+                 priority: Priority | None = None):
+        self.state, self.io, self.every, self.priority = state, io, every, priority or Priority()
         self.num_layers, self.num_chunks = num_layers, num_chunks
         self._flight: tuple[int, Future] | None = None
         self._write_s: float | None = None  # this rank's last finished write (all its chunks)
@@ -77,6 +110,7 @@ class Boundaries:
         self._pending: dict[int, dict] = {}  # chunk records of boundaries not yet complete
         self._written: dict[int, dict] = {}  # this rank's finished writes not yet reported at a commit
         self._gathered: list[dict] | None = None
+        self._probing = False  # a boundary was written to measure the link, and no commit has reported it yet
 
     def due(self, layer: int) -> bool:
         """Whether every rank writes its chunks' inputs of `layer` now."""
@@ -84,8 +118,9 @@ class Boundaries:
             return False
         if self.every is not None:
             return layer % self.every == 0
-        if self._gathered is None:
-            return True  # nothing measured yet in this epoch: write one, and learn what it costs
+        if self._gathered is None or any(g["write_s"] is None for g in self._gathered):
+            probe, self._probing = not self._probing, True  # nothing measured yet: write one, learn its cost
+            return probe
         if any(g["busy"] for g in self._gathered):
             return False  # skip rather than queue behind a write in flight
         write_s = max(g["write_s"] or 0.0 for g in self._gathered)
@@ -110,9 +145,10 @@ class Boundaries:
         self._written[layer] = future.result()
 
     def _write(self, layer: int, epoch: int, chunks: dict[int, torch.Tensor]) -> dict:
-        start = time.perf_counter()
-        records = {str(c): self.state.write_tensors(path(layer, epoch, c), {"hidden_states": x})
-                   for c, x in sorted(chunks.items())}
+        start, records = time.perf_counter(), {}
+        for c, x in sorted(chunks.items()):
+            self.priority.wait()
+            records[str(c)] = self.state.write_tensors(path(layer, epoch, c), {"hidden_states": x})
         self._write_s = time.perf_counter() - start
         return records
 

@@ -2,15 +2,15 @@
 
 A layer is done once the records (records.py) hold its commit for an epoch that the newest fence accepts, and every
 weight file the commit names reads back with its digest (state.py). Before the commit, every rank writes its solved
-groups as soon as they are solved (sub-layer progress, `write_solved`); rank 0's commit names the intact records
-that cover every group of the layer, and writes again, from memory, the groups of any record damaged since. A commit
+groups as soon as they are solved (sub-layer progress, `write_solved`); rank 0's commit names the records that
+cover every group of the layer, as their writers returned them, once they are durable: the runner commits a layer
+while the next one computes, in layer order. Restarts check the files' sizes, and read back
+against their digests the layers they replay; the end of a run reads everything back (`verified`). A commit
 also names the newest boundary that became durable since the last one (boundaries.py); a restart replays from the
 newest durable boundary at or below the layer it needs. The runner, the export and `status` read progress here.
 """
 
 import logging
-
-import torch
 
 from elastic_oneshot.durability.records import Records
 from elastic_oneshot.durability.state import StateStore
@@ -29,15 +29,27 @@ class CommitProtocol:
         self.view: dict[int, int] = {} if view is None else view
 
     # -- reading ------------------------------------------------------------------------------------
-    def verified(self) -> dict[int, int]:
-        """The committed layers whose commits and weight files check out; the others are to be redone."""
-        valid = {}
+    def verified(self, deep: bool = False) -> dict[int, int]:
+        """The committed layers whose commits read and whose weight files have the sizes their commits record;
+        the others are to be redone. Reading every file back at each restart would cost the compressed model so
+        far, so only the layers a restart replays are read against their digests too, or all with `deep` (at the
+        end of a run, before the export)."""
+        valid, manifests, listed = {}, {}, {}
         for layer, epoch in sorted(self.records.committed().items()):
             try:
-                self._verify(self.records.manifest(layer, epoch), layer, epoch)
+                manifests[layer] = self._verify(self.records.manifest(layer, epoch), layer, epoch, listed, deep)
                 valid[layer] = epoch
             except CorruptStateError as e:
                 log.warning("layer %d will be redone: %s", layer, e)
+        checked = set(valid) if deep else set()
+        while todo := [layer for layer in _replayed(valid, manifests) if layer not in checked]:
+            for layer in todo:
+                checked.add(layer)
+                try:
+                    self._verify(manifests[layer], layer, valid[layer], listed, deep=True)
+                except CorruptStateError as e:
+                    log.warning("layer %d will be redone: %s", layer, e)
+                    del valid[layer]
         return valid
 
     def manifest(self, layer: int) -> dict:
@@ -45,16 +57,28 @@ class CommitProtocol:
         return self.records.manifest(layer, self.view[layer])
 
     def weights(self, layer: int) -> list[dict]:
-        """The weight files of a layer in `view`, verified (CorruptStateError otherwise)."""
-        return self._verify(self.manifest(layer), layer, self.view[layer])["weights"]
+        """The weight files of a layer in `view`, as large as recorded (CorruptStateError otherwise; their digests
+        are checked as they are read)."""
+        return self._verify(self.manifest(layer), layer, self.view[layer], {}, deep=False)["weights"]
 
-    def _verify(self, manifest: dict | None, layer: int, epoch: int) -> dict:
-        """`manifest`, the records' commit of `layer` in `epoch`, if it exists and its weight files check out
-        (CorruptStateError otherwise)."""
+    def _verify(self, manifest: dict | None, layer: int, epoch: int, listed: dict, deep: bool) -> dict:
+        """`manifest`, the records' commit of `layer` in `epoch`, if it exists and its weight files check out:
+        read back against their digests if `deep`, else their sizes against `listed` (folder -> {name: size},
+        filled here with one listing per folder). CorruptStateError otherwise."""
         if manifest is None:
             raise CorruptStateError(f"the commit of layer {layer} in epoch {epoch} is missing")
         for record in manifest["weights"]:
-            self.state.read_bytes(record)
+            if deep:
+                self.state.read_bytes(record)
+                continue
+            folder, name = record["path"].rsplit("/", 1)
+            if folder not in listed:
+                listed[folder] = self.state.storage.sizes(folder)
+            size = listed[folder].get(name)
+            if size is None:
+                raise CorruptStateError(f"{record['path']} is missing")
+            if size != record["size"]:
+                raise CorruptStateError(f"{record['path']} has {size} bytes, expected {record['size']}")
         return manifest
 
     def durable(self, layer: int) -> list[tuple[int, dict]]:
@@ -69,6 +93,7 @@ class CommitProtocol:
             if entry and entry["layer"] <= layer:
                 found[entry["layer"]] = entry["chunks"]
         return sorted(found.items(), reverse=True)
+
 
     # -- writing ------------------------------------------------------------------------------------
     def begin_epoch(self, committed: dict[int, int]) -> int:
@@ -101,26 +126,20 @@ class CommitProtocol:
         return out
 
     def write_solved(self, layer: int, epoch: int, name: str, groups: list[str], tensors: dict) -> dict:
-        """Persist solved groups (named `name` among this epoch's records of the layer) before the commit."""
+        """Persist solved groups (named `name` among this epoch's records of the layer) before the commit; their
+        record, {"groups", "file"}, for the commit."""
         stem = f"layers/{layer:05d}/e{epoch:05d}.{name}"
-        record = self.state.write_tensors(f"{stem}.safetensors", tensors)
-        self.state.write_json(f"{stem}.json", {"groups": groups, "file": record})
+        record = {"groups": groups, "file": self.state.write_tensors(f"{stem}.safetensors", tensors)}
+        self.state.write_json(f"{stem}.json", record)
         return record
 
-    def commit(self, layer: int, epoch: int, manifest: dict, groups: dict[str, list[str]],
-               tensors: dict[str, torch.Tensor], spare: str):
-        """Rank 0: commit `layer` for `epoch` with `manifest` plus the weight files, which must cover all `groups`
-        (group -> the prefixes of its tensors' names). A record damaged since it was written is skipped by
-        `solved`; its groups are written again from `tensors` (every rank holds the whole layer by then) under
-        the record name `spare`, so that a commit never names less than the whole layer."""
-        records = self.solved(layer, epoch)
-        missing = [g for g in groups if g not in {name for r in records for name in r["groups"]}]
+    def commit(self, layer: int, epoch: int, manifest: dict, groups: list[str], records: list[dict]):
+        """Rank 0: commit `layer` for `epoch` with `manifest` plus the weight files of `records` (the solved records
+        reused and written for it, as their writers returned them: nothing is read back), which must cover all
+        `groups`, so that a commit never names less than the whole layer."""
+        missing = sorted(set(groups) - {name for r in records for name in r["groups"]})
         if missing:
-            log.warning("layer %d: the solved records of %s were damaged before the commit; writing them again",
-                        layer, ", ".join(missing))
-            prefixes = tuple(p for g in missing for p in groups[g])
-            records.append({"file": self.write_solved(layer, epoch, spare, missing, {
-                k: v.cpu() for k, v in tensors.items() if k.startswith(prefixes)})})
+            raise RuntimeError(f"layer {layer}: no solved record covers {', '.join(missing)}")
         self.records.commit(layer, epoch, {**manifest, "weights": [r["file"] for r in records]})
 
     def prune(self, below: int, epoch: int):
@@ -131,3 +150,14 @@ class CommitProtocol:
         for name in self.state.names("boundaries"):
             if name.isdigit() and int(name) < below:
                 self.state.storage.remove(f"boundaries/{name}", best_effort=True)
+
+
+def _replayed(valid: dict[int, int], manifests: dict[int, dict]) -> list[int]:
+    """The committed layers a restart on `valid` replays: from the newest boundary its commits record at or below
+    the first layer to do, up to that layer (from the embeddings if none)."""
+    todo = 0
+    while todo in valid:
+        todo += 1
+    boundaries = [m["boundary"]["layer"] for layer, m in manifests.items()
+                  if layer in valid and m.get("boundary") and m["boundary"]["layer"] <= todo]
+    return list(range(max(boundaries, default=0), todo))

@@ -84,6 +84,10 @@ class Storage(abc.ABC):
         """Names of the files and folders directly in `folder` ("" for the root); [] if none."""
 
     @abc.abstractmethod
+    def sizes(self, folder: str) -> dict[str, int]:
+        """The files directly in `folder` with their sizes in bytes, from one listing; {} if none."""
+
+    @abc.abstractmethod
     def remove(self, rel: str, best_effort: bool = False):
         """Delete the file or the whole folder `rel`, if present; with `best_effort`, errors are ignored."""
 
@@ -196,6 +200,13 @@ class LocalStorage(Storage):
         path = self.where(folder) if folder else self.root
         return os.listdir(path) if os.path.isdir(path) else []
 
+    def sizes(self, folder: str) -> dict[str, int]:
+        try:
+            with os.scandir(self.where(folder)) as entries:
+                return {e.name: e.stat().st_size for e in entries if e.is_file()}
+        except (FileNotFoundError, NotADirectoryError):
+            return {}
+
     def remove(self, rel: str, best_effort: bool = False):
         path = self.where(rel)
         if os.path.isdir(path):
@@ -285,13 +296,19 @@ class ObjectStorage(Storage):
         except obstore.exceptions.BaseError as e:
             raise self._unreadable(rel, e) from None
 
-    def names(self, folder: str) -> list[str]:
+    def _listed(self, folder: str) -> dict:
         try:
-            listed = self._call(f"list {folder}/", obstore.list_with_delimiter, self.store, folder or None)
+            return self._call(f"list {folder}/", obstore.list_with_delimiter, self.store, folder or None)
         except obstore.exceptions.BaseError as e:
             raise self._unreadable(folder, e) from None
+
+    def names(self, folder: str) -> list[str]:
+        listed = self._listed(folder)
         return [p.rsplit("/", 1)[-1] for p in listed["common_prefixes"]] + \
             [o["path"].rsplit("/", 1)[-1] for o in listed["objects"]]
+
+    def sizes(self, folder: str) -> dict[str, int]:
+        return {o["path"].rsplit("/", 1)[-1]: o["size"] for o in self._listed(folder)["objects"]}
 
     def remove(self, rel: str, best_effort: bool = False):
         try:

@@ -93,7 +93,6 @@ class LayerInputs:
         if self._held_layer != layer:
             self._restore(layer)
         for chunk in self.own:
-            signals.check(f"in layer {layer}")
             yield chunk, self._held[chunk].to(self.device, non_blocking=True)
 
     def keep(self, layer: int, inputs: dict[int, torch.Tensor]):

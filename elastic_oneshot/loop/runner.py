@@ -3,21 +3,25 @@
 Every (re)start of the workers begins an epoch that fences off older workers. Then, for each
 uncommitted layer: onload it from the checkpoint, calibrate (Hessians over this rank's chunks),
 solve (GPTQ by the weight-parallel plan), propagate (the next layer's inputs, with the quantized
-weights, kept in memory for the next layer), commit (rank 0 records the layer's weight files once every
-rank's are durable, and the newest boundary whose every chunk is: boundaries are written behind).
+weights, kept in memory for the next layer), commit. Commits are written behind, in layer order: layer L
+is committed while layer L+1 computes (rank 0 records L's weight files once every rank's are durable, and
+the newest boundary whose every chunk is: boundaries are written behind too), so the loop waits for the
+link only when it is slower than the computation. A kill loses the layer in flight and at most
+COMMITS_BEHIND computed ones; a SIGTERM waits for those.
 """
 
 import contextlib
+import dataclasses
 import logging
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from elastic_oneshot.distributed import signals
 from elastic_oneshot.distributed.world import World
-from elastic_oneshot.durability.boundaries import Boundaries, mtbf_from
+from elastic_oneshot.durability.boundaries import Boundaries, Priority, mtbf_from
 from elastic_oneshot.durability.protocol import CommitProtocol
 from elastic_oneshot.durability.records import Records
 from elastic_oneshot.durability.state import StateStore
@@ -34,6 +38,7 @@ from elastic_oneshot.quantization.plan import Group, layer_groups, make_plan
 from elastic_oneshot.surface.progress import LayerBar
 
 log = logging.getLogger("elastic_oneshot")
+COMMITS_BEHIND = 1  # layers computed but not committed: their files upload while the next layer computes
 
 
 def _io_thread() -> ThreadPoolExecutor:
@@ -51,6 +56,19 @@ def _timed(seconds: dict, phase: str):
         seconds[phase] = seconds.get(phase, 0.0) + time.perf_counter() - start
 
 
+@dataclasses.dataclass
+class Computed:
+    """A layer computed on this rank and not yet committed: what its commit needs. `reused`: the records of
+    groups an earlier attempt solved; `writes`: futures of this rank's records of the others."""
+
+    layer: int
+    groups: list[str]
+    reused: list[dict]
+    writes: list[Future]
+    notes: dict
+    seconds: dict
+
+
 class Runner:
     """One rank's part of the job. `schemes`: each quantized module's (full name -> QuantizationScheme, the
     recipe's module_schemes); `boundary_every` and `mtbf_s` (None: the job's own, from its events) set how often
@@ -66,18 +84,24 @@ class Runner:
         self.chunks = chunk_bounds(job.num_samples, job.chunk_size)
         self.layer_modules = source.by_layer(list(schemes))  # per layer, names local to it
         self.io = _io_thread()  # solved groups; boundaries have their own, so a commit never queues behind one
+        self.priority = Priority()  # and their chunks wait while solved groups upload
+        self.pending: list[Computed] = []  # layers computed, not yet committed, oldest first
         own = list(partition(len(self.chunks), world.size, self.rank))
         self.inputs = LayerInputs.tried(state, source, job.seq_len, self.schemes, self.layer_modules, self.chunks,
                                         own, self.device, self.protocol)
-        self.boundaries = Boundaries(state, _io_thread(), boundary_every, source.num_layers, len(self.chunks))
+        self.boundaries = Boundaries(state, _io_thread(), boundary_every, source.num_layers, len(self.chunks),
+                                     self.priority)
         self.mtbf_s = mtbf_s
 
     # -- epochs ---------------------------------------------------------------------------------------
-    def begin_epoch(self):
-        """Fence a new epoch on what verifies now; every rank learns the epoch and the committed layers."""
+    def begin_epoch(self, valid: dict[int, int] | None = None):
+        """Fence a new epoch on what verifies now (`valid`, if rank 0 just verified); every rank learns the epoch
+        and the committed layers."""
         start = None
         if self.rank == 0:
-            valid = self.protocol.verified()
+            began = time.perf_counter()
+            valid = self.protocol.verified() if valid is None else valid
+            log.info("%d committed layers verified in %.1f s", len(valid), time.perf_counter() - began)
             try:
                 mtbf = self.mtbf_s or mtbf_from(self.state.events(), time.time())
                 start = {"epoch": self.protocol.begin_epoch(valid), "committed": valid, "mtbf": mtbf}
@@ -98,53 +122,49 @@ class Runner:
                      self.world.size, len(self.committed), self.source.num_layers, todo[0] if todo else "none")
 
     def run(self):
-        """Process every uncommitted layer; then check everything once more (a file can be damaged after
-        its commit) and, if something fails, redo it in a new epoch."""
+        """Process every uncommitted layer; then check everything once more, reading it back (a file can be
+        damaged after its commit) and, if something fails, redo it in a new epoch."""
         self.begin_epoch()
         self.progress = LayerBar(self.source.num_layers, len(self.committed), show=self.rank == 0)
         with torch.inference_mode():
             while True:
                 for layer in range(self.source.num_layers):
                     if layer not in self.committed:
-                        signals.check(f"before layer {layer}")
+                        if not self.pending:  # else SIGTERM is asked of every rank at the next commit
+                            signals.check(f"before layer {layer}")
                         self.process(layer)
-                intact = self.world.broadcast_object(self.protocol.verified() == self.committed if self.rank == 0
-                                                     else None)
-                if intact:
+                self.settle()
+                valid = self.protocol.verified(deep=True) if self.rank == 0 else None
+                if self.world.broadcast_object(valid == self.committed if self.rank == 0 else None):
                     self.boundaries.drain()
                     return
-                self.begin_epoch()
+                self.begin_epoch(valid)
 
     # -- one layer ------------------------------------------------------------------------------------
     def process(self, layer: int):
-        """One layer: calibrate, solve, propagate, commit."""
-        t0, seconds = time.perf_counter(), {}
+        """One layer: calibrate, solve, propagate; then commit the layers computed before it but the newest
+        COMMITS_BEHIND, whose files upload while the next layer computes."""
+        seconds = {}
         if self.rank == 0:
             self.state.append_event({"event": "layer", "layer": layer, "time": time.time(), "epoch": self.epoch})
         with _timed(seconds, "load"):
             module = self.source.load_layer(layer).to(self.device)
             groups = layer_groups(module, self.layer_modules[layer], self.source.family.shared_inputs,
                                   self.job.moe_calibrate == "all")
-            tensors, todo = self.reuse_solved(layer, groups)
+            tensors, reused, todo = self.reuse_solved(layer, groups)
         calib = self.calibrate(layer, module, todo, seconds)
+        writes = []  # this rank's writes of solved groups in this attempt
         with _timed(seconds, "gptq"):
-            self._writes = []  # this rank's writes of solved groups in this attempt
-            solved, notes = self.solve(module, layer, calib, todo)
+            solved, notes = self.solve(module, layer, calib, todo, writes)
             tensors.update(solved)
         with _timed(seconds, "propagate"):
-            self.propagate(layer, module, tensors)
-        with _timed(seconds, "commit"):
-            self.commit(layer, notes, seconds, groups, tensors)
-        if self.rank == 0:
-            self.state.append_event({"event": "commit", "layer": layer, "time": time.time(), "epoch": self.epoch,
-                                     "world_size": self.world.size, "seconds": seconds})
-        log.info("layer %d/%d committed in %.1f s (%s)", layer + 1, self.source.num_layers,
-                 time.perf_counter() - t0, ", ".join(f"{k} {v:.2f}" for k, v in seconds.items()))
-        self.progress.update(len(self.committed))
+            self.propagate(layer, module, tensors, seconds)
+        self.pending.append(Computed(layer, [g.name for g in groups], reused, writes, notes, seconds))
+        self.settle(keep=COMMITS_BEHIND)
 
-    def reuse_solved(self, layer: int, groups: list[Group]) -> tuple[dict, list[Group]]:
-        """Sub-layer progress: the compressed tensors of the groups an earlier attempt solved, and the
-        groups still to solve."""
+    def reuse_solved(self, layer: int, groups: list[Group]) -> tuple[dict, list[dict], list[Group]]:
+        """Sub-layer progress: the compressed tensors of the groups an earlier attempt solved, their records, and
+        the groups still to solve."""
         records = self.world.broadcast_object(self.protocol.solved(layer, self.epoch) if self.rank == 0 else None)
         tensors = {}
         for r in records:
@@ -153,7 +173,7 @@ class Runner:
         if done and self.rank == 0:
             log.info("layer %d: %d of %d groups were solved before this restart; solving the other %d", layer,
                      len(done), len(groups), len(groups) - len(done))
-        return tensors, [g for g in groups if g.name not in done]
+        return tensors, records, [g for g in groups if g.name not in done]
 
     def calibrate(self, layer: int, module, groups: list[Group], seconds: dict) -> Calibration:
         """Hessians of `groups` over this rank's chunks, and static inputs' ranges (not yet reduced across ranks)."""
@@ -170,21 +190,24 @@ class Runner:
         seconds["calibrate"] = time.perf_counter() - start - calib.seconds
         return calib
 
-    def propagate(self, layer: int, module, tensors: dict):
+    def propagate(self, layer: int, module, tensors: dict, seconds: dict):
         """The next layer's inputs for this rank's chunks, through the quantized layer: kept in memory, and
-        handed to the I/O thread when a boundary is due."""
+        handed to the I/O thread when a boundary is due (waiting for the one in flight counts as "commit":
+        waiting for storage)."""
         self.inputs.unpack(module, layer, tensors)
         if layer == self.source.num_layers - 1:
             return
         outputs = {c: self.inputs.to_host(self.inputs.forward(module, layer, x)) for c, x in self.inputs.each(layer)}
         self.inputs.keep(layer + 1, outputs)
         if self.boundaries.due(layer + 1):
-            self.boundaries.submit(layer + 1, self.epoch, outputs)
+            with _timed(seconds, "commit"):
+                self.boundaries.submit(layer + 1, self.epoch, outputs)
 
-    def solve(self, layer_module, layer: int, calib: Calibration, groups: list[Group]) -> tuple[dict, dict]:
+    def solve(self, layer_module, layer: int, calib: Calibration, groups: list[Group],
+              writes: list) -> tuple[dict, dict]:
         """GPTQ `groups` across ranks by the plan (executor.py). Sub-layer progress: this rank's owned groups
-        go to disk as soon as they are solved (written by the I/O thread; the commit waits for them).
-        Returns the compressed tensors of these groups and this rank's notes."""
+        go to storage as soon as they are solved (by the I/O thread, ahead of boundaries; `writes` gets their
+        futures, which the commit waits for). Returns the compressed tensors of these groups and this rank's notes."""
         modules, tensors, written = dict(layer_module.named_modules()), {}, set()
         packing = LayerPacking(self.schemes, f"{self.source.layer_prefix}{layer}.", modules, self.layer_modules[layer],
                                calib.ranges, self.source.family.fused_scales)
@@ -193,8 +216,8 @@ class Runner:
             packed = {k: v for g, weight in solved for k, v in packing.pack(g, weight).items()}
             written.update(g.name for g, _ in solved)
             tensors.update(packed)
-            self._writes.append(self.io.submit(self.protocol.write_solved, layer, self.epoch,
-                                               f"r{self.rank}.b{len(self._writes):04d}", [g.name for g, _ in solved],
+            writes.append(self.priority.submit(self.io, self.protocol.write_solved, layer, self.epoch,
+                                               f"r{self.rank}.b{len(writes):04d}", [g.name for g, _ in solved],
                                                {k: v.cpu() for k, v in packed.items()}))
 
         executor = Executor(self.world, make_plan(groups, self.world.size), groups, packing.weights, self.job.recipe,
@@ -205,24 +228,40 @@ class Runner:
                 tensors.update(packing.pack(g, results[g.name]))
         return tensors, {name: {"damping": d} for g, d in executor.damping.items() for name, _ in g.modules}
 
-    def commit(self, layer: int, notes: dict, seconds: dict, groups: list[Group], tensors: dict):
-        """Once every rank's weight files are durable, rank 0 commits the layer (its `groups`, compressed into
-        `tensors`), with the newest boundary that became durable since the last commit; then the layer counts
-        as done."""
-        for f in self._writes:
-            f.result()
-        everyone = self.world.gather_objects({"notes": notes, **self.boundaries.report(seconds)})
-        boundary = self.boundaries.settle(everyone)
+    def settle(self, keep: int = 0):
+        """Commit computed layers, oldest first, until `keep` remain. A SIGTERM seen by any rank is learnt by all
+        at a commit: then every computed layer is committed, and the job stops there."""
+        stop = False
+        while len(self.pending) > (0 if stop else keep):
+            stop = self.commit(self.pending.pop(0)) or stop
+        if stop and len(self.committed) < self.source.num_layers:
+            raise signals.Preempted(f"stopped by SIGTERM once layer {max(self.committed)} was committed")
+
+    def commit(self, c: Computed) -> bool:
+        """Once every rank's files of layer `c.layer` are durable, rank 0 commits it (its records cover its
+        groups), with the newest boundary that became durable since the last commit; then the layer counts as
+        done. Returns whether any rank was asked to stop (SIGTERM)."""
+        with _timed(c.seconds, "commit"):
+            solved = [f.result() for f in c.writes]
+            everyone = self.world.gather_objects({"notes": c.notes, "solved": solved, "stop": signals.requested(),
+                                                  **self.boundaries.report(c.seconds)})
+            boundary = self.boundaries.settle(everyone)
+            if self.rank == 0:
+                self.protocol.commit(c.layer, self.epoch, {
+                    "layer": c.layer, "epoch": self.epoch, "world_size": self.world.size, "boundary": boundary,
+                    "modules": {n: v for m in everyone for n, v in sorted(m["notes"].items())},
+                    "seconds": dict(c.seconds)}, c.groups, c.reused + [r for m in everyone for r in m["solved"]])
+            self.world.barrier()
+        self.committed[c.layer] = self.epoch
         if self.rank == 0:
-            prefix = f"{self.source.layer_prefix}{layer}."
-            self.protocol.commit(layer, self.epoch, {
-                "layer": layer, "epoch": self.epoch, "world_size": self.world.size, "boundary": boundary,
-                "modules": {n: v for m in everyone for n, v in sorted(m["notes"].items())}, "seconds": seconds,
-            }, {g.name: [f"{prefix}{name}." for name, _ in g.modules] for g in groups}, tensors,
-                f"r0.b{len(self._writes):04d}")
-        self.world.barrier()
-        self.committed[layer] = self.epoch
-        if layer == 0:
+            self.state.append_event({"event": "commit", "layer": c.layer, "time": time.time(), "epoch": self.epoch,
+                                     "world_size": self.world.size, "seconds": c.seconds})
+        log.info("layer %d/%d committed (%.1f s: %s)", c.layer + 1, self.source.num_layers, sum(c.seconds.values()),
+                 ", ".join(f"{k} {v:.2f}" for k, v in c.seconds.items()))
+        self.progress.update(len(self.committed))
+        if c.layer == 0:
             self.inputs.embedder.release()
         if self.rank == 0 and boundary:
             self.protocol.prune(below=self.boundaries.prunable(), epoch=self.epoch)
+        return any(m["stop"] for m in everyone)
+
