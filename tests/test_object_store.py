@@ -1,6 +1,7 @@
 """The state on object storage (`--state s3://bucket/prefix`), against a real S3-compatible server on 127.0.0.1
 (moto in server mode, a subprocess stopped by its PID), spoken to over HTTP by the product's own client."""
 
+import contextlib
 import json
 import os
 import random
@@ -18,6 +19,8 @@ from elastic_oneshot.durability.records import FileRecords
 from elastic_oneshot.durability.state import StateStore
 from elastic_oneshot.durability.storage import ObjectStorage, is_transient, is_url
 from elastic_oneshot.errors import StaleEpochError, StorageError, UsageError
+from elastic_oneshot.loop.runner import COMMITS_BEHIND
+from elastic_oneshot.testing.netns import Namespace, NamespaceUnavailable
 from elastic_oneshot.testing.runs import run_cli, tree_digest
 from elastic_oneshot.testing.s3_server import S3Server
 from elastic_oneshot.testing.tiny import make_model
@@ -79,6 +82,28 @@ def test_the_checkpoint_is_the_same_with_the_state_on_the_server(s3, llama4, ref
     assert tree_digest(resumed) == reference
 
 
+@pytest.mark.slow
+@pytest.mark.s3
+def test_behind_a_shaped_link_commits_are_written_behind(llama4, reference, tmp_path, monkeypatch):
+    """The server in a network namespace of its own behind a 4 Mbit/s token-bucket link each way (a real link:
+    concurrent uploads share it): every layer's commit lands while the next layer computes, in order, and the
+    checkpoint is the same."""
+    with contextlib.ExitStack() as stack:
+        try:
+            link = stack.enter_context(Namespace(mbit=4))
+        except NamespaceUnavailable as e:
+            pytest.skip(str(e))
+        server = stack.enter_context(S3Server(namespace=link))
+        for k, v in server.env.items():
+            monkeypatch.setenv(k, v)
+        url = f"s3://{server.bucket}/shaped"
+        oneshot(model=llama4, output_dir=str(tmp_path / "out"), state_dir=url, **JOB)
+        events = [(e["event"], e["layer"]) for e in StateStore(url).events() if e["event"] in ("layer", "commit")]
+    assert [layer for event, layer in events if event == "commit"] == [0, 1, 2, 3]
+    assert all(events.index(("layer", n + 1)) < events.index(("commit", n)) for n in range(3))
+    assert tree_digest(str(tmp_path / "out")) == reference
+
+
 def committed(url: str) -> int:
     return len(StateStore(url).names("commits"))
 
@@ -103,6 +128,11 @@ def test_kill_9_at_random_moments_with_the_state_on_the_server(s3, llama4, refer
         kills += 1
         progress.append(committed(url))
     assert kills >= 2, f"the job finished before it could be killed enough ({kills} kills)"
+    events = StateStore(url).events()
+    for epoch in {e["epoch"] for e in events if e["event"] == "layer"}:
+        started = {e["layer"] for e in events if e["event"] == "layer" and e["epoch"] == epoch}
+        done = {e["layer"] for e in events if e["event"] == "commit" and e["epoch"] == epoch}
+        assert len(started - done) <= 1 + COMMITS_BEHIND, f"epoch {epoch} lost {sorted(started - done)}"
     final = run_cli("run", "--model", llama4, "--output", out, "--state", url, *CLI_JOB, "--boundary-every", 2)
     assert "resuming" in final.stderr
     assert tree_digest(out) == reference

@@ -1,6 +1,7 @@
 """A throwaway S3-compatible server for tests and benchmarks: moto in server mode on 127.0.0.1, in a temporary
 directory, with one bucket, stopped by its PID. With `auth`, it checks every request's signature as AWS does, against
-an access key it issued at start (in `env`), so that a test can tell which credentials the product used.
+an access key it issued at start (in `env`), so that a test can tell which credentials the product used. With
+`namespace` (netns.py), it runs inside that network namespace, reached over its shaped link.
 
     with S3Server() as s3:
         os.environ.update(s3.env)        # what a user sets to point the product at it
@@ -17,16 +18,22 @@ import tempfile
 import time
 import urllib.request
 
+from elastic_oneshot.testing.netns import Namespace
+
 UNSIGNED = 5  # requests moto serves before it checks signatures: the bucket and _issue_key's four
 
 
 class S3Server:
-    def __init__(self, bucket: str = "elastic-oneshot", auth: bool = False):
-        self.bucket, self.auth, self.proc = bucket, auth, None
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.endpoint = f"http://127.0.0.1:{self.port}"
+    def __init__(self, bucket: str = "elastic-oneshot", auth: bool = False, namespace: Namespace | None = None):
+        self.bucket, self.auth, self.proc, self.namespace = bucket, auth, None, namespace
+        if namespace is None:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                self.port = s.getsockname()[1]
+        else:
+            self.port = 9000  # the namespace's own: nothing else listens there
+        self.address = "127.0.0.1" if namespace is None else namespace.address
+        self.endpoint = f"http://{self.address}:{self.port}"
         self.env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1",
                     "AWS_ENDPOINT_URL": self.endpoint, "AWS_ALLOW_HTTP": "true"}
 
@@ -34,8 +41,9 @@ class S3Server:
         self.dir = tempfile.mkdtemp(prefix="moto-")
         self.log = open(os.path.join(self.dir, "moto.log"), "w")
         env = {**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": str(UNSIGNED)} if self.auth else None
-        self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-                                     cwd=self.dir, stdout=self.log, stderr=self.log, env=env)
+        cmd = [sys.executable, "-m", "moto.server", "-H", self.address, "-p", str(self.port)]
+        popen = subprocess.Popen if self.namespace is None else self.namespace.popen
+        self.proc = popen(cmd, cwd=self.dir, stdout=self.log, stderr=self.log, env=env)
         for _ in range(100):  # up, with its bucket
             try:
                 urllib.request.urlopen(urllib.request.Request(f"{self.endpoint}/{self.bucket}", method="PUT"),
