@@ -1,23 +1,29 @@
-"""Durability at GPU speed, emulated on this CPU: the state on a throttled store.
+"""Durability on a real link: the state on an S3-compatible server behind a token-bucket link.
 
-    python bench/durability.py                      # SmolLM2-135M, 128 x 512 tokens
-    python bench/durability.py --samples 32         # a quicker look
-    python bench/durability.py --object-store-only  # only the state on a local S3 server against a local one
+    python bench/durability.py                      # SmolLM2-135M, 32 x 512 tokens, a 26 Mbit/s link each way
+    python bench/durability.py --mbit 50 --samples 64
+    python bench/durability.py --previous 1fee0e0   # the same runs of another revision, in the same invocation
 
-Compares, in one invocation, the previous design (every layer's boundary written, hashed with sha256 and
-fsynced inside its commit, then read back: git revision --baseline) with the current default
-(--boundary-every auto: boundaries written behind the commits, activations kept in memory). Each runs as its own
-process through `elastic-oneshot run`, its state's writes throttled by a wrapper of the storage layer
-(StateStore.write_bytes sleeps as a link of --bandwidth MB/s would take; default: the bandwidth at which writing
-every boundary synchronously costs about 70 % of the compute). Prints wall times, the share of the layer loop not
-spent computing, bytes written per layer, the seconds from a restart after kill -9 to its first new commit, the
-same job with its state on a local S3-compatible server (moto) with the MB/s moved there, and the issue's table
-modeled from the per-byte costs measured here.
+The server (moto) runs in a network namespace of its own, reached over a veth pair shaped by `tc tbf` in both
+directions (elastic_oneshot/testing/netns.py; created and removed here), so concurrent uploads share the link as
+they would share a real one. 26 Mbit/s (about 3.3 MB/s) is issue 24's setup: a link that carries one layer's
+compressed weights in about a quarter of this CPU's layer time, and one boundary in a few layers' time. Where
+network namespaces are not allowed, the state goes to a local directory whose writes sleep as a link of that
+bandwidth would take, one at a time (a lock: it cannot show sharing).
+
+Each design (`--boundary-every 0` and `auto`) runs as its own `elastic-oneshot run` process. Prints per design:
+wall, the seconds the layer loop spent computing and those it waited for storage (the "commit" phase: waiting
+for its own files and for a boundary write to hand over) and their share of wall, bytes written per layer, and
+the CPU seconds the server spent (on this machine it takes them from the run's two cores; on a fleet the store
+is elsewhere); then, for `auto`, a run killed with SIGKILL after --kill-after commits and restarted: the seconds
+from the restart to its first new commit and how they split (to the epoch, verification included; reading the
+boundary; the replay; the layers until the commit, two with commits written behind).
 """
 
 import argparse
+import contextlib
 import os
-import random
+import re
 import shutil
 import signal
 import subprocess
@@ -25,231 +31,178 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-BASELINE = "ab11bb4"  # the last revision that wrote every boundary inside the commit
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# Runs `elastic-oneshot run` with StateStore.write_bytes throttled to BANDWIDTH bytes/s (0: not throttled),
-# counting the bytes; the package comes from sys.path[0] (the baseline's worktree, or this checkout).
+# Runs `elastic-oneshot run` with the package from sys.argv[1], counting the bytes its state writes; where
+# BENCH_BANDWIDTH is set (no namespace), each write sleeps as a link of that many bytes/s would take, one at a time.
 WORKER = """
-import atexit, json, os, sys, threading, time
+import atexit, contextlib, os, sys, threading, time
 sys.path.insert(0, sys.argv[1])
 from elastic_oneshot.surface import cli
 from elastic_oneshot.durability import state
 bandwidth, written, lock = float(os.environ["BENCH_BANDWIDTH"]), [0], threading.Lock()
 plain = state.StateStore.write_bytes
-def throttled(self, rel, data, *args, **kwargs):
-    with lock:  # one link: writes queue behind each other
+def counted(self, rel, data, *args, **kwargs):
+    with lock if bandwidth else contextlib.nullcontext():
         if bandwidth:
             time.sleep(len(data) / bandwidth)
         written[0] += len(data)
     return plain(self, rel, data, *args, **kwargs)
-state.StateStore.write_bytes = throttled
+state.StateStore.write_bytes = counted
 atexit.register(lambda: open(os.environ["BENCH_BYTES"], "w").write(str(written[0])))
 sys.exit(cli.main(sys.argv[2:]))
 """
 
 
-def run(code: str, args: list[str], bandwidth: float, log: str, kill_after: int | None = None) -> dict:
-    """One `elastic-oneshot run`; with `kill_after`, SIGKILL it once that many layers are committed."""
-    env = {**os.environ, "BENCH_BANDWIDTH": str(bandwidth), "BENCH_BYTES": log + ".bytes"}
-    t = time.perf_counter()
+def events(state: str) -> list[dict]:
+    from elastic_oneshot.durability.state import StateStore
+
+    try:
+        return StateStore(state).events()
+    except (OSError, ValueError):
+        return []
+
+
+def run(code: str, args: list[str], env: dict, log: str, kill_after: int | None = None) -> dict:
+    """One `elastic-oneshot run` of the package at `code`; with `kill_after`, SIGKILL it once that many layers
+    are committed."""
+    state = args[args.index("--state") + 1]
+    env = {**os.environ, **env, "BENCH_BYTES": log + ".bytes"}
+    t, launched, server = time.perf_counter(), time.time(), server_cpu()
     with open(log, "w") as f:
-        proc = subprocess.Popen([sys.executable, "-c", WORKER, code, "run", *args], stdout=f, stderr=subprocess.STDOUT,
-                                env=env)
-        state = args[args.index("--state") + 1]
-        while kill_after is not None and proc.poll() is None and commits(state) < kill_after:
+        proc = subprocess.Popen([sys.executable, "-c", WORKER, code, "run", *args], stdout=f,
+                                stderr=subprocess.STDOUT, env=env)
+        while kill_after is not None and proc.poll() is None and \
+                sum(e["event"] == "commit" for e in events(state)) < kill_after:
             time.sleep(0.05)
         if kill_after is not None and proc.poll() is None:
             proc.send_signal(signal.SIGKILL)
         proc.wait()
-    if kill_after is not None:
-        return {}
-    if proc.returncode != 0:
+    wall = time.perf_counter() - t
+    if kill_after is None and proc.returncode != 0:
         sys.exit(f"run failed; see {log}")
-    with open(log + ".bytes") as f:
-        return {"wall": time.perf_counter() - t, "bytes": int(f.read())}
+    return {"wall": wall, "bytes": int(open(log + ".bytes").read()) if kill_after is None else 0,
+            "launched": launched, "server_cpu": server_cpu() - server}
 
 
-def events(state: str) -> list[dict]:
-    from elastic_oneshot.durability.state import StateStore
+def server_cpu() -> float:
+    """CPU seconds the S3 server has used so far (it shares this machine's cores with the run), 0 without one."""
+    import psutil
 
-    return StateStore(state).events()
-
-
-def commits(state: str) -> int:
-    try:
-        return sum(e["event"] == "commit" for e in events(state))
-    except (OSError, ValueError):
-        return 0
+    pid = os.environ.get("BENCH_SERVER_PID")
+    return sum(psutil.Process(int(pid)).cpu_times()[:2]) if pid else 0.0
 
 
 def loop(state: str) -> dict:
-    """From the last epoch's events: the layer loop's wall time, its compute, and the first commit's delay."""
+    """From the last epoch's events: seconds waiting for storage, layers, and the first commit after the start."""
     ev = events(state)
     start = [e for e in ev if e["event"] == "start"][-1]
-    mine = [e for e in ev if e.get("epoch") == start["epoch"] and e["event"] in ("layer", "commit")]
-    done = [e for e in mine if e["event"] == "commit"]
-    compute = sum(v for e in done for k, v in e["seconds"].items() if k != "commit")
-    return {"loop": done[-1]["time"] - mine[0]["time"], "compute": compute, "layers": len(done),
-            "first_commit_s": done[0]["time"] - start["time"],
-            "layer_compute": compute / len(done)}
+    done = [e for e in ev if e["event"] == "commit" and e["epoch"] == start["epoch"]]
+    return {"waited": sum(e["seconds"].get("commit", 0.0) for e in done), "layers": len(done),
+            "compute": sum(v for e in done for k, v in e["seconds"].items() if k != "commit"),
+            "started": start["time"], "first_commit": done[0]["time"]}
 
 
-def design(name: str, code: str, extra: list[str], job: list[str], bandwidth: float, work: str, seed: int) -> dict:
-    """Unthrottled and throttled runs of one design, and a kill -9 at a random layer with a restart."""
-    out = {}
-    for label, bw in (("free", 0.0), ("throttled", bandwidth)):
-        d = os.path.join(work, f"{name}-{label}")
-        args = ["--state", d + ".state", "--output", d, *job, *extra]
-        out[label] = {**run(code, args, bw, d + ".log"), **loop(d + ".state")}
-        shutil.rmtree(d, ignore_errors=True)
-    d = os.path.join(work, f"{name}-killed")
-    args = ["--state", d + ".state", "--output", d, *job, *extra]
-    layers = out["free"]["layers"]
-    kill_at = random.Random(seed).randrange(2, layers - 2)
-    run(code, args, bandwidth, d + ".log", kill_after=kill_at)
-    run(code, args, bandwidth, d + ".log2")
-    out["restart"] = {"killed_after": kill_at, **loop(d + ".state")}
-    return out
+def restart_split(log: str, r: dict) -> str:
+    """How a restart's time to its first new commit splits, from its events and log lines."""
+    text = open(log).read()
+
+    def seconds(pattern: str) -> float:
+        found = re.search(pattern, text)
+        return float(found.group(1)) if found else 0.0
+
+    read = seconds(r"\(inputs of layer \d+ read in ([\d.]+) s\)")
+    replayed = seconds(r"replayed layers \d+\.\.\d+ in ([\d.]+) s")
+    verify = seconds(r"committed layers verified in ([\d.]+) s")
+    span = re.search(r"replaying layers (\d+\.\.\d+)", text)
+    return (f"{r['first_commit'] - r['launched']:.1f} s: to the epoch {r['started'] - r['launched']:.2f} s "
+            f"(verification {verify:.2f} s), inputs read {read:.2f} s, "
+            f"replay of layers {span.group(1) if span else 'none'} {replayed - read:.2f} s, the layers until the "
+            f"commit {r['first_commit'] - r['started'] - replayed:.2f} s")
 
 
-def object_store(job: list[str], work: str) -> dict:
-    """The current default with its state on a local S3-compatible server (moto), and the MB/s one rank moves
-    to and from it in a boundary-sized object (multipart up, parallel ranged reads down)."""
-    from elastic_oneshot.durability.storage import ObjectStorage
+def tree_digest(root: str) -> dict:
+    from elastic_oneshot.testing.runs import tree_digest
+
+    return tree_digest(root)
+
+
+def designs(code: str, label: str, job: list[str], states: str, env: dict, work: str, kill_after: int) -> list:
+    rows = []
+    for every in ("0", "auto"):
+        name = f"{label}-{every}"
+        args = ["--state", f"{states}/{name}", "--output", os.path.join(work, name), *job, "--boundary-every", every]
+        rows.append((name, {**run(code, args, env, os.path.join(work, name + ".log")), **loop(f"{states}/{name}")}))
+    name = f"{label}-auto-killed"
+    args = ["--state", f"{states}/{name}", "--output", os.path.join(work, name), *job, "--boundary-every", "auto"]
+    run(code, args, env, os.path.join(work, name + ".log"), kill_after=kill_after)
+    restarted = {**run(code, args, env, os.path.join(work, name + ".log2")), **loop(f"{states}/{name}")}
+    rows.append((name, {**restarted, "split": restart_split(os.path.join(work, name + ".log2"), restarted)}))
+    digests = {tree_digest(os.path.join(work, n)) == tree_digest(os.path.join(work, f"{label}-0"))
+               for n in (f"{label}-auto", name)}
+    print(f"{label}: checkpoints of 0, auto and the killed auto run byte-identical: {digests == {True}}")
+    return rows
+
+
+def report(rows: list, mbit: float):
+    print(f"\nthe state behind a {mbit:g} Mbit/s link ({mbit / 8:.2f} MB/s) each way")
+    print(f"{'design':22s} {'wall':>8s} {'computing':>10s} {'waited':>8s} {'share':>7s} {'MB/layer':>9s} "
+          f"{'server CPU':>11s}")
+    for name, r in rows:
+        if "split" in r:
+            print(f"{name}: from the restart's launch to its first new commit {r['split']}")
+        else:
+            print(f"{name:22s} {r['wall']:7.1f}s {r['compute']:9.1f}s {r['waited']:7.1f}s "
+                  f"{r['waited'] / r['wall']:7.1%} {r['bytes'] / r['layers'] / 1e6:9.2f} {r['server_cpu']:10.1f}s")
+    walls = {name: r["wall"] for name, r in rows if "split" not in r}
+    for label in sorted({n.rsplit("-", 1)[0] for n in walls}):
+        print(f"{label}: wall auto / wall 0 = {walls[label + '-auto'] / walls[label + '-0']:.3f}")
+
+
+@contextlib.contextmanager
+def state_root(mbit: float, work: str):
+    """Where the states go, and the environment the runs need: the server behind the link, or else a throttled
+    local directory."""
+    from elastic_oneshot.testing.netns import Namespace, NamespaceUnavailable
     from elastic_oneshot.testing.s3_server import S3Server
 
-    with S3Server() as s3:
-        os.environ.update(s3.env)
-        d, url = os.path.join(work, "object-store"), f"s3://{s3.bucket}/bench"
-        result = {**run(ROOT, ["--state", url, "--output", d, *job], 0.0, d + ".log"), **loop(url)}
-        store, data = ObjectStorage(f"s3://{s3.bucket}/probe"), os.urandom(256 * 2**20)
-        t = time.perf_counter()
-        store.put("boundary", data)
-        up = len(data) / (time.perf_counter() - t)
-        t = time.perf_counter()
-        store.get("boundary", len(data))
-        down = len(data) / (time.perf_counter() - t)
-    return {**result, "up": up, "down": down}
-
-
-def modeled(write_bps: float, sha_bps: float, xxh_bps: float, read_bps: float):
-    """The issue's table from per-byte costs: the previous design pays, per layer, writing the boundary,
-    sha256 at write and at read, and reading it back; the new one keeps it off the critical path as long as the
-    link carries a boundary per auto interval (Young and Daly, an hour between failures)."""
-    from elastic_oneshot.durability.boundaries import DEFAULT_MTBF_S, auto_interval
-
-    print(f"\nmodeled (per byte, measured here: fsync'd write {write_bps / 1e6:.0f} MB/s, read {read_bps / 1e6:.0f} "
-          f"MB/s, sha256 {sha_bps / 1e9:.2f} GB/s, xxh3-128 {xxh_bps / 1e9:.1f} GB/s), 512 x 2048 tokens, bf16:")
-    print(f"{'model':30s} {'boundary':>9s} {'s/layer':>8s} {'previous: share':>16s} {'every':>6s} "
-          f"{'new: MB/s needed':>17s}")
-    for name, hidden, layer_s in (("Llama-3-8B, 1 GPU", 4096, 23.0), ("Llama-3-8B, 4 GPUs", 4096, 8.3),
-                                  ("Llama-3-70B", 8192, 10.0), ("Qwen3-30B-A3B", 2048, 296.0)):
-        size = 512 * 2048 * hidden * 2
-        previous = size / write_bps + 2 * size / sha_bps + size / read_bps
-        write_s = size / write_bps + size / xxh_bps
-        every = auto_interval(write_s, layer_s, layer_s / 3, DEFAULT_MTBF_S)
-        print(f"{name:30s} {size / 1e9:7.1f}GB {layer_s:8.1f} {previous / (previous + layer_s):15.0%} "
-              f"{every:6d} {size / (every * layer_s) / 1e6:17.0f}")
-
-
-def per_byte(work: str) -> tuple[float, float, float, float]:
-    import hashlib
-
-    import xxhash
-
-    data = os.urandom(256 * 2**20)
-    path = os.path.join(work, "bytes.bin")
-    t = time.perf_counter()
-    with open(path, "wb") as f:
-        f.write(data)
-        os.fsync(f.fileno())
-    write = len(data) / (time.perf_counter() - t)
-    t = time.perf_counter()
-    with open(path, "rb") as f:
-        f.read()
-    read = len(data) / (time.perf_counter() - t)  # from the page cache: an upper bound
-    t = time.perf_counter()
-    hashlib.sha256(data).digest()
-    sha = len(data) / (time.perf_counter() - t)
-    t = time.perf_counter()
-    xxhash.xxh3_128_digest(data)
-    xxh = len(data) / (time.perf_counter() - t)
-    os.remove(path)
-    return write, sha, xxh, read
+    try:
+        with Namespace(mbit=mbit) as link, S3Server(namespace=link) as server:
+            yield f"s3://{server.bucket}", {**server.env, "BENCH_BANDWIDTH": "0",
+                                            "BENCH_SERVER_PID": str(server.proc.pid)}
+    except NamespaceUnavailable as e:
+        print(f"no network namespace ({e}): a local directory throttled by a lock instead")
+        yield os.path.join(work, "states"), {"BENCH_BANDWIDTH": str(mbit * 1e6 / 8)}
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--samples", type=int, default=128)
+    p.add_argument("--samples", type=int, default=32)
     p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--bandwidth", type=float, help="MB/s of the throttled store (default: 70 %% of compute)")
-    p.add_argument("--baseline", default=BASELINE, help="git revision of the previous design")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--object-store-only", action="store_true",
-                   help="only the state on a local S3 server against a local directory (no baseline)")
+    p.add_argument("--mbit", type=float, default=26.0, help="the link's rate each way, Mbit/s (default 26)")
+    p.add_argument("--kill-after", type=int, default=12, help="commits before the kill -9 (default 12)")
+    p.add_argument("--previous", help="a git revision to run the same way, in the same invocation")
     a = p.parse_args()
-    work = tempfile.mkdtemp(prefix="durability-")
-    if a.object_store_only:
-        try:
-            job = _job(a)
-            local = run(ROOT, ["--state", work + "/local.state", "--output", work + "/local", *job], 0.0,
-                        work + "/local.log")
-            compare_object_store({**local, **loop(work + "/local.state")}, object_store(job, work))
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
-        return
-    old = os.path.join(work, "baseline")
-    subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", old, a.baseline], check=True,
-                   capture_output=True)
-    try:
-        job = _job(a)
-        probe = os.path.join(work, "probe")
-        free = {**run(ROOT, ["--state", probe + ".state", "--output", probe, *job], 0.0, probe + ".log"),
-                **loop(probe + ".state")}
-        hidden = 576  # SmolLM2-135M
-        boundary = a.samples * a.seq_len * hidden * 4
-        bandwidth = a.bandwidth * 1e6 if a.bandwidth else boundary / (0.7 * free["layer_compute"])
-        print(f"boundary {boundary / 1e6:.1f} MB per layer; compute {free['layer_compute']:.2f} s per layer; "
-              f"throttle {bandwidth / 1e6:.1f} MB/s")
-        results = {"previous": design("previous", old, [], job, bandwidth, work, a.seed),
-                   "new": design("new", ROOT, ["--boundary-every", "auto"], job, bandwidth, work, a.seed)}
-        report(results)
-        compare_object_store(results["new"]["free"], object_store(job, work))
-        modeled(*per_byte(work))
-    finally:
-        subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", old], capture_output=True)
-        shutil.rmtree(work, ignore_errors=True)
-
-
-def _job(a) -> list[str]:
     from elastic_oneshot.models.default_model import default_model
 
-    return ["--model", default_model(), "--num-samples", str(a.samples), "--seq-len", str(a.seq_len),
-            "--group-size", "64"]
-
-
-def compare_object_store(local: dict, remote: dict):
-    idle = {k: 1 - r["compute"] / r["loop"] for k, r in (("remote", remote), ("local", local))}
-    print(f"\nstate on a local S3 server (moto): wall {remote['wall']:.1f} s against {local['wall']:.1f} s with a "
-          f"local directory ({remote['wall'] / local['wall']:.3f}); not computing {idle['remote']:.1%} against "
-          f"{idle['local']:.1%}; one rank moves {remote['up'] / 1e6:.0f} MB/s up, "
-          f"{remote['down'] / 1e6:.0f} MB/s down")
-
-
-def report(results: dict):
-    print(f"\n{'design':10s} {'wall free':>10s} {'wall thr.':>10s} {'overhead':>9s} {'not computing':>14s} "
-          f"{'MB/layer':>9s} {'restart->commit':>16s} {'layer compute':>14s}")
-    for name, r in results.items():
-        free, thr, restart = r["free"], r["throttled"], r["restart"]
-        overhead = (thr["loop"] - free["loop"]) / thr["loop"]
-        idle = 1 - thr["compute"] / thr["loop"]
-        print(f"{name:10s} {free['wall']:9.1f}s {thr['wall']:9.1f}s {overhead:9.1%} {idle:14.1%} "
-              f"{thr['bytes'] / thr['layers'] / 1e6:9.1f} {restart['first_commit_s']:15.1f}s "
-              f"{restart['layer_compute']:13.2f}s   (killed after {restart['killed_after']} layers)")
-    ratio = results["new"]["free"]["wall"] / results["previous"]["free"]["wall"]
-    print(f"unthrottled wall time, new / previous: {ratio:.3f}")
+    job = ["--model", default_model(), "--num-samples", str(a.samples), "--seq-len", str(a.seq_len),
+           "--group-size", "64"]
+    work = tempfile.mkdtemp(prefix="durability-")
+    old = os.path.join(work, "previous")
+    try:
+        if a.previous:
+            subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", old, a.previous], check=True,
+                           capture_output=True)
+        with state_root(a.mbit, work) as (states, env):
+            os.environ.update(env)  # this process reads the states' events too
+            rows = designs(ROOT, "current", job, states, env, work, a.kill_after)
+            if a.previous:
+                rows += designs(old, "previous", job, states, env, work, a.kill_after)
+        report(rows, a.mbit)
+    finally:
+        if a.previous:
+            subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", old], capture_output=True)
+        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

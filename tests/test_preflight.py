@@ -184,6 +184,13 @@ def test_a_config_with_fewer_layers_than_the_weights_is_refused_before_work(mode
     assert not (tmp_path / "o.state").exists()
 
 
+def test_a_file_given_as_the_model_is_named_as_a_file(model_copy, tmp_path):
+    shard = sorted(model_copy.glob("*.safetensors"))[0]
+    refused(run_cli("run", "--model", shard, "--output", tmp_path / "o", *JOB, check=False),
+            f"model {shard} is a file, not a model directory")
+    assert not (tmp_path / "o.state").exists()
+
+
 @pytest.mark.slow
 def test_a_second_job_on_the_same_output_is_refused_before_work(tiny_llama, tmp_path):
     """Job A claims --output when it starts; job B (other settings, its own state) started while A runs is

@@ -4,13 +4,16 @@ A layer is done once the records (records.py) hold its commit for an epoch that 
 weight file the commit names reads back with its digest (state.py). Before the commit, every rank writes its solved
 groups as soon as they are solved (sub-layer progress, `write_solved`); rank 0's commit names the records that
 cover every group of the layer, as their writers returned them, once they are durable: the runner commits a layer
-while the next one computes, in layer order. Restarts check the files' sizes, and read back
-against their digests the layers they replay; the end of a run reads everything back (`verified`). A commit
-also names the newest boundary that became durable since the last one (boundaries.py); a restart replays from the
-newest durable boundary at or below the layer it needs. The runner, the export and `status` read progress here.
+while the next one computes, in layer order. Restarts check the files' sizes, and read back against their digests
+the layers they replay; the end of a run reads everything back once (`verified`), and the export builds from what
+it read. A commit also names the newest boundary that became durable since the last one (boundaries.py); a restart
+replays from the newest durable boundary at or below the layer it needs. The runner, the export and `status` read progress here.
 """
 
 import logging
+
+import torch
+from safetensors.torch import load as st_load
 
 from elastic_oneshot.durability.records import Records
 from elastic_oneshot.durability.state import StateStore
@@ -27,17 +30,19 @@ class CommitProtocol:
     def __init__(self, state: StateStore, records: Records, view: dict[int, int] | None = None):
         self.state, self.records = state, records
         self.view: dict[int, int] = {} if view is None else view
+        self._read: dict[str, bytes] = {}  # files of the layers a restart replays, read back by `verified`
 
     # -- reading ------------------------------------------------------------------------------------
     def verified(self, deep: bool = False) -> dict[int, int]:
         """The committed layers whose commits read and whose weight files have the sizes their commits record;
         the others are to be redone. Reading every file back at each restart would cost the compressed model so
         far, so only the layers a restart replays are read against their digests too, or all with `deep` (at the
-        end of a run, before the export)."""
-        valid, manifests, listed = {}, {}, {}
-        for layer, epoch in sorted(self.records.committed().items()):
+        end of a run). What is read is kept for `tensors` (the replay's, or the export's), unless a layer failed."""
+        valid, manifests, listed, self._read = {}, {}, {}, {}
+        committed = sorted(self.records.committed().items())
+        for layer, epoch in committed:
             try:
-                manifests[layer] = self._verify(self.records.manifest(layer, epoch), layer, epoch, listed, deep)
+                manifests[layer] = self._verify(self.records.manifest(layer, epoch), layer, epoch, listed, deep, deep)
                 valid[layer] = epoch
             except CorruptStateError as e:
                 log.warning("layer %d will be redone: %s", layer, e)
@@ -46,30 +51,42 @@ class CommitProtocol:
             for layer in todo:
                 checked.add(layer)
                 try:
-                    self._verify(manifests[layer], layer, valid[layer], listed, deep=True)
+                    self._verify(manifests[layer], layer, valid[layer], listed, deep=True, keep=True)
                 except CorruptStateError as e:
                     log.warning("layer %d will be redone: %s", layer, e)
                     del valid[layer]
+        if deep and len(valid) < len(committed):
+            self._read = {}  # a redo comes first
         return valid
 
     def manifest(self, layer: int) -> dict:
         """The commit of a layer in `view`."""
         return self.records.manifest(layer, self.view[layer])
 
-    def weights(self, layer: int) -> list[dict]:
-        """The weight files of a layer in `view`, as large as recorded (CorruptStateError otherwise; their digests
-        are checked as they are read)."""
-        return self._verify(self.manifest(layer), layer, self.view[layer], {}, deep=False)["weights"]
+    def tensors(self, layer: int) -> dict[str, torch.Tensor]:
+        """The compressed tensors of a layer in `view`: from the bytes `verified` read back (once), else read now
+        and checked against their digests (CorruptStateError if they do not match, or the commit is missing)."""
+        manifest, out = self.manifest(layer), {}
+        if manifest is None:
+            raise CorruptStateError(f"the commit of layer {layer} in epoch {self.view[layer]} is missing")
+        for record in manifest["weights"]:
+            data = self._read.pop(record["path"], None)
+            out.update(self.state.read_tensors(record) if data is None else st_load(data))
+        return out
 
-    def _verify(self, manifest: dict | None, layer: int, epoch: int, listed: dict, deep: bool) -> dict:
+    def _verify(self, manifest: dict | None, layer: int, epoch: int, listed: dict, deep: bool,
+                keep: bool = False) -> dict:
         """`manifest`, the records' commit of `layer` in `epoch`, if it exists and its weight files check out:
-        read back against their digests if `deep`, else their sizes against `listed` (folder -> {name: size},
-        filled here with one listing per folder). CorruptStateError otherwise."""
+        read back against their digests if `deep` (and the bytes kept for `tensors` with `keep`), else their sizes
+        against `listed` (folder -> {name: size}, filled here with one listing per folder). CorruptStateError
+        otherwise."""
         if manifest is None:
             raise CorruptStateError(f"the commit of layer {layer} in epoch {epoch} is missing")
         for record in manifest["weights"]:
             if deep:
-                self.state.read_bytes(record)
+                data = self.state.read_bytes(record)
+                if keep:
+                    self._read[record["path"]] = data
                 continue
             folder, name = record["path"].rsplit("/", 1)
             if folder not in listed:

@@ -10,6 +10,7 @@ through the committed quantized layers.
 import functools
 import logging
 import os
+import time
 import traceback
 
 import torch
@@ -108,10 +109,7 @@ class LayerInputs:
     def quantized_layer(self, layer: int) -> torch.nn.Module:
         """A committed layer with its quantized weights, on the device."""
         module = self.source.load_layer(layer).to(self.device)
-        tensors = {}
-        for record in self.protocol.manifest(layer)["weights"]:
-            tensors.update(to_device(self.state.read_tensors(record), self.device))
-        self.unpack(module, layer, tensors)
+        self.unpack(module, layer, to_device(self.protocol.tensors(layer), self.device))
         return module
 
     def unpack(self, module: torch.nn.Module, layer: int, tensors: dict):
@@ -121,7 +119,7 @@ class LayerInputs:
     def _restore(self, layer: int):
         """Inputs to `layer` from storage: the newest durable boundary at or below it that reads back intact,
         else the embeddings, then forward through the committed layers in between."""
-        start, held = 0, None
+        began, start, held = time.perf_counter(), 0, None
         for boundary, records in self.protocol.durable(layer):
             if boundary in self._damaged:
                 continue
@@ -135,8 +133,11 @@ class LayerInputs:
         if held is None:
             held = {c: self.embedder(self.tokens[slice(*self.chunks[c])]) for c in self.own}
         if start < layer:
-            log.info("replaying layers %d..%d for %d chunks", start, layer - 1, len(self.own))
+            log.info("replaying layers %d..%d for %d chunks (inputs of layer %d read in %.1f s)", start, layer - 1,
+                     len(self.own), start, time.perf_counter() - began)
         for index in range(start, layer):
             module = self.quantized_layer(index)
             held = {c: self.to_host(self.forward(module, index, x.to(self.device))) for c, x in held.items()}
+        if start < layer:
+            log.info("replayed layers %d..%d in %.1f s", start, layer - 1, time.perf_counter() - began)
         self.keep(layer, held)

@@ -85,7 +85,7 @@ def oneshot(model: str | None = None, dataset: str = "builtin", scheme: str = "W
     if world.rank != 0:
         return output_dir
 
-    export(state, records, destination, source, schemes)
+    export(state, records, destination, source, schemes, runner.protocol)
     log.info("wrote %s", output_dir)
     if eval_samples:
         _compare(before, output_dir, dataset, eval_samples, job.seq_len, text_column)

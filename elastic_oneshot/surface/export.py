@@ -30,10 +30,11 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgp
 
 
 def export(state: StateStore, records: Records, destination: Destination, source: SourceModel | None = None,
-           schemes: dict | None = None):
+           schemes: dict | None = None, protocol: CommitProtocol | None = None):
     """Write the checkpoint of the job in `state`, whose commits `records` holds, to `output` (replacing this
-    job's previous one); only a finished state can be exported. `source` and `schemes` (the recipe's
-    module_schemes), when the run that finished has them."""
+    job's previous one); only a finished state can be exported. `source`, `schemes` (the recipe's
+    module_schemes) and `protocol` (holding the files its last check read back), when the run that finished has
+    them."""
     record = state.job()
     job = Job.from_dict(record["job"])
     fingerprint = record["fingerprint"]
@@ -43,7 +44,7 @@ def export(state: StateStore, records: Records, destination: Destination, source
     source = source or SourceModel(job.model, job.trust_remote_code, job.attention)
     if source.digest() != record["identity"]["model"]:
         raise UsageError(f"model {job.model} has changed since the state was created")
-    quantized = _committed_weights(state, records, record)
+    quantized = _committed_weights(protocol or CommitProtocol(state, records, records.committed()), record)
     with destination.building(fingerprint) as built:  # removed if anything fails: nothing half-written stays
         try:
             _build(built, fingerprint, source, quantized, job, schemes)
@@ -78,19 +79,16 @@ def _os_error(e: Exception) -> OSError:
     return OSError(int(code.group(1)), os.strerror(int(code.group(1)))) if code else OSError(errno.EIO, str(e))
 
 
-def _committed_weights(state: StateStore, records: Records, record: dict) -> dict:
+def _committed_weights(protocol: CommitProtocol, record: dict) -> dict:
     quantized: dict = {}
-    protocol = CommitProtocol(state, records, records.committed())
     for layer in range(record["num_layers"]):
         if layer not in protocol.view:
             raise UsageError(f"layer {layer} of {record['num_layers']} is not committed: "
                              "finish the job with `elastic-oneshot run` first")
         try:
-            weights = protocol.weights(layer)
+            quantized.update(protocol.tensors(layer))
         except CorruptStateError as e:
             raise UsageError(f"layer {layer} failed verification ({e}): rerun `elastic-oneshot run`") from None
-        for w in weights:
-            quantized.update(state.read_tensors(w))
     return quantized
 
 
