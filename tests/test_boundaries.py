@@ -80,11 +80,29 @@ def test_writes_one_in_flight_and_reports_it(tmp_path):
     b.submit(2, 1, {0: torch.ones(2, 3), 1: torch.zeros(2, 3)})  # waits for the first
     assert b.settle([b.report({})])["layer"] == 1
     gate.set()
-    b.drain()
+    io.submit(lambda: None).result()  # one I/O thread, in order: the second write has finished
     done = b.settle([b.report({})])
     assert done["layer"] == 2 and sorted(done["chunks"]) == ["0", "1"]
     assert torch.equal(state.read_tensors(done["chunks"]["1"])["hidden_states"], torch.zeros(2, 3))
     assert b.durable == [1, 2] and b.prunable() == 1
+
+
+def test_auto_never_writes_closer_than_a_write_takes_nor_too_late_to_be_durable(tmp_path):
+    b = Boundaries(StateStore(str(tmp_path)), ThreadPoolExecutor(1), None, 10, 1)
+    assert b.due(1) and not b.due(2)  # the probe, then nothing until a commit reports what it cost
+    b.settle([{"written": {}, "busy": False, "write_s": 5.0, "seconds": {"calibrate": 1.0, "propagate": 0.5}}])
+    # a write takes 5 s, a layer 1.5 s: at least 4 layers apart, and none once fewer than 4 layers remain
+    assert [n for n in range(1, 10) if b.due(n)] == [4, 5, 6]
+
+
+def test_a_write_in_flight_stops_when_the_job_is_done(tmp_path):
+    state, io, gate = StateStore(str(tmp_path)), ThreadPoolExecutor(1), threading.Event()
+    b = Boundaries(state, io, 1, 10, 2)
+    io.submit(gate.wait)
+    b.submit(1, 1, {0: torch.ones(2, 3), 1: torch.zeros(2, 3)})
+    threading.Timer(0.2, gate.set).start()
+    b.drain()  # before the write starts: it writes nothing
+    assert b.settle([b.report({})]) is None and not (tmp_path / "boundaries").exists()
 
 
 @pytest.fixture(scope="module")

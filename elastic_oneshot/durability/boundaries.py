@@ -12,8 +12,10 @@ How often (`--boundary-every`): every N layers; 0, never (a restart replays from
 auto: Young and Daly's interval sqrt(2 C M) for a write taking C seconds (as measured, sharing the
 link) and a mean time between failures M, in layers, at most 1 + (a layer's compute / its propagation),
 so that a replay costs at most one layer's compute, and at least the layers a write takes, so that
-writes never queue; a boundary due while a write is still in flight anywhere is skipped. The first
-boundary of an epoch measures the write: no other is due until a commit has reported it.
+writes never queue; a boundary due while a write is still in flight anywhere is skipped, and so is one
+that could not be durable before the last layer is done. The first boundary of an epoch measures the write:
+no other is due until a commit has reported it. When the job is done, a write in flight stops after its
+current chunk.
 """
 
 import math
@@ -100,6 +102,7 @@ class Boundaries:
         self.num_layers, self.num_chunks = num_layers, num_chunks
         self._flight: tuple[int, Future] | None = None
         self._write_s: float | None = None  # this rank's last finished write (all its chunks)
+        self._done = False  # the job is done: writes stop
         self.restart([], DEFAULT_MTBF_S)
 
     def restart(self, durable: list[int], mtbf_s: float):
@@ -126,6 +129,8 @@ class Boundaries:
         write_s = max(g["write_s"] or 0.0 for g in self._gathered)
         layer_s = max(sum(v for k, v in g["seconds"].items() if k != "commit") for g in self._gathered)
         propagate_s = max(g["seconds"].get("propagate", 0.0) for g in self._gathered)
+        if (self.num_layers - layer) * layer_s < write_s:
+            return False  # the job would be done before it is durable
         return layer - self.last >= auto_interval(write_s, layer_s, propagate_s, self.mtbf_s)
 
     def submit(self, layer: int, epoch: int, chunks: dict[int, torch.Tensor]):
@@ -148,6 +153,8 @@ class Boundaries:
         start, records = time.perf_counter(), {}
         for c, x in sorted(chunks.items()):
             self.priority.wait()
+            if self._done:
+                break
             records[str(c)] = self.state.write_tensors(path(layer, epoch, c), {"hidden_states": x})
         self._write_s = time.perf_counter() - start
         return records
@@ -182,6 +189,8 @@ class Boundaries:
         return self.durable[-2] if len(self.durable) > 1 else 0
 
     def drain(self):
-        """Wait for the write in flight, if any, so that no thread outlives the job."""
+        """The job is done: no boundary is needed any more. The write in flight, if any, stops after its current
+        chunk, and is waited for, so that no thread outlives the job."""
+        self._done = True
         if self._flight is not None:
             self._flight[1].exception()

@@ -7,7 +7,8 @@ cover every group of the layer, as their writers returned them, once they are du
 while the next one computes, in layer order. Restarts check the files' sizes, and read back against their digests
 the layers they replay; the end of a run reads everything back once (`verified`), and the export builds from what
 it read. A commit also names the newest boundary that became durable since the last one (boundaries.py); a restart
-replays from the newest durable boundary at or below the layer it needs. The runner, the export and `status` read progress here.
+replays from the newest durable boundary at or below the layer it needs. The runner, the export and `status` read
+progress here.
 """
 
 import logging
