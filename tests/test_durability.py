@@ -172,6 +172,21 @@ def test_commits_land_in_layer_order_while_the_next_layer_computes(deep_llama, r
     assert tree_digest(str(tmp_path / "out")) == reference
 
 
+def test_layers_redone_apart_replay_through_the_one_committed_first(deep_llama, reference, tmp_path, caplog):
+    """Layers 2 and 5 to redo in one epoch, no boundary: layer 5's inputs are replayed from the embeddings through
+    layer 2, which must be committed first (found by the chaos run: it was still computed-but-not-committed)."""
+    out, state = str(tmp_path / "out"), str(tmp_path / "state")
+    oneshot(model=deep_llama, output_dir=out, state_dir=state, boundary_every=0, **JOB)
+    for layer in (2, 5):
+        os.remove(os.path.join(state, f"commits/0000{layer}.e00001.json"))
+    shutil.rmtree(out)
+    with caplog.at_level(logging.INFO, logger="elastic_oneshot"):
+        oneshot(model=deep_llama, output_dir=out, state_dir=state, boundary_every=0, **JOB)
+    assert re.findall(r"layer (\d+/\d+) committed", caplog.text) == ["3/8", "6/8"]
+    assert "replaying layers 0..4 for 6 chunks" in caplog.text
+    assert tree_digest(out) == reference
+
+
 @pytest.mark.slow
 def test_sigterm_commits_every_computed_layer_then_stops(deep_llama, reference, tmp_path):
     """A spot notice while a layer is computed but not committed: every rank learns it at the next commit, every

@@ -150,7 +150,7 @@ def test_a_stale_worker_cannot_commit(model, tmp_path):
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_chaos_run_with_ten_faults(tmp_path):
-    model = make_model(str(tmp_path / "llama40"), "llama", num_hidden_layers=40)
+    model = make_model(str(tmp_path / "llama64"), "llama", num_hidden_layers=64)  # enough work for ten faults
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "chaos.py"), "--model", model,
                            "--workdir", str(tmp_path / "chaos"), "--faults", "10", "--seed", "3",
                            "--collective-timeout", str(TIMEOUT), "--report", "--", *map(str, JOB)],

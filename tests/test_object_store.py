@@ -346,7 +346,7 @@ def test_kubernetes_manifest_without_a_shared_volume():
 @pytest.mark.distributed
 @pytest.mark.s3
 def test_chaos_campaign_with_the_state_on_the_server(s3, tmp_path):
-    model = make_model(str(tmp_path / "llama12"), "llama", num_hidden_layers=12)
+    model = make_model(str(tmp_path / "llama32"), "llama", num_hidden_layers=32)  # enough work for four faults
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run([sys.executable, os.path.join(root, "launch", "chaos.py"), "--model", model,
                            "--workdir", str(tmp_path / "chaos"), "--faults", "4", "--seed", "5",

@@ -123,7 +123,7 @@ def test_unsupported_modifier_is_refused_by_name(tiny_llama, tmp_path):
 
 
 # -- status of a real job: two ranks under torchrun, preempted (SIGTERM), finished by one process ----------------------
-STATUS_JOB = ["--num-samples", 32, "--seq-len", 128, "--chunk-size", 4, "--group-size", 64]
+STATUS_JOB = ["--num-samples", 64, "--seq-len", 128, "--chunk-size", 4, "--group-size", 64]
 
 
 @pytest.fixture(scope="module")
@@ -158,9 +158,9 @@ def test_status_of_a_preempted_job_finished_at_another_world_size(llama8, tmp_pa
     with open(tmp_path / "torchrun.log", "w") as log:
         launcher = subprocess.Popen(torchrun_cmd(2, *args), stdout=log, stderr=subprocess.STDOUT,
                                     env=one_thread_env())
-        while not ((state / "commits").is_dir() and len(os.listdir(state / "commits")) >= 2):
+        while not ((state / "commits").is_dir() and os.listdir(state / "commits")):
             assert launcher.poll() is None, (tmp_path / "torchrun.log").read_text()[-3000:]
-            time.sleep(0.05)
+            time.sleep(0.01)  # frozen at the first commit: SIGTERM then commits every computed layer (two or more)
         workers = psutil.Process(launcher.pid).children()
         for w in workers:  # frozen first, so that the job cannot finish before the notice reaches it
             w.suspend()

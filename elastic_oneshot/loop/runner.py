@@ -130,6 +130,8 @@ class Runner:
             while True:
                 for layer in range(self.source.num_layers):
                     if layer not in self.committed:
+                        if self.pending and self.pending[-1].layer != layer - 1:
+                            self.settle()  # its inputs are replayed through the layers computed before it
                         if not self.pending:  # else SIGTERM is asked of every rank at the next commit
                             signals.check(f"before layer {layer}")
                         self.process(layer)
@@ -230,11 +232,12 @@ class Runner:
 
     def settle(self, keep: int = 0):
         """Commit computed layers, oldest first, until `keep` remain. A SIGTERM seen by any rank is learnt by all
-        at a commit: then every computed layer is committed, and the job stops there."""
+        at a commit: then every computed layer is committed, and the ranks that received it stop there (the others
+        go on, and find them gone at the next collective, as after a node loss)."""
         stop = False
         while len(self.pending) > (0 if stop else keep):
             stop = self.commit(self.pending.pop(0)) or stop
-        if stop and len(self.committed) < self.source.num_layers:
+        if stop and signals.requested() and len(self.committed) < self.source.num_layers:
             raise signals.Preempted(f"stopped by SIGTERM once layer {max(self.committed)} was committed")
 
     def commit(self, c: Computed) -> bool:
