@@ -6,7 +6,7 @@ import logging
 import os
 import sys
 
-from elastic_oneshot.errors import StaleEpochError, StorageError, UsageError, report
+from elastic_oneshot.errors import StaleEpochError, StorageError, UsageError, exit_now, report
 from elastic_oneshot.surface.progress import close_all
 
 
@@ -141,7 +141,8 @@ def main(argv=None) -> int:
 
         if (reason := rank_lost(e)) is None:
             raise
-        return _fail(f"another rank was lost ({reason}): leaving so that torchrun restarts the workers", 1)
+        _fail(f"another rank was lost ({reason}): leaving so that torchrun restarts the workers", 1)
+        exit_now(1)  # not through interpreter teardown: a broken process group can abort there (SIGABRT)
     return 0
 
 
