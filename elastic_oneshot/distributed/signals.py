@@ -1,8 +1,8 @@
 """SIGTERM, the spot-preemption notice: stop at the next safe point, or leave after a grace period.
 
 Every commit is atomic, so dying at any instant is safe; stopping at a safe point only avoids wasting
-the layers computed but not yet committed (the runner asks every rank at each commit, and commits them
-all before it stops), and says what happened. SIGTERM is blocked in every thread and
+the layers computed but not yet committed (the runner asks every rank at each commit, and every rank
+commits them before the ranks that received it stop), and says what happened. SIGTERM is blocked in every thread and
 taken by a dedicated thread with sigwait, so it is seen even while the main thread waits in a
 collective (where a Python signal handler would not run).
 """
@@ -47,7 +47,8 @@ def on_request(callback):
 
 
 def requested() -> bool:
-    """Whether SIGTERM was received: the runner asks every rank at each commit, so all stop at the same one."""
+    """Whether SIGTERM was received: the runner asks every rank at each commit, so that all commit what they
+    computed before the ranks that received it stop."""
     return _requested.is_set()
 
 

@@ -43,7 +43,8 @@ class CommitProtocol:
         committed = sorted(self.records.committed().items())
         for layer, epoch in committed:
             try:
-                manifests[layer] = self._verify(self.records.manifest(layer, epoch), layer, epoch, listed, deep, deep)
+                manifest = self.records.manifest(layer, epoch)
+                manifests[layer] = self._verify(manifest, layer, epoch, listed, deep, keep=deep)
                 valid[layer] = epoch
             except CorruptStateError as e:
                 log.warning("layer %d will be redone: %s", layer, e)
@@ -111,7 +112,6 @@ class CommitProtocol:
             if entry and entry["layer"] <= layer:
                 found[entry["layer"]] = entry["chunks"]
         return sorted(found.items(), reverse=True)
-
 
     # -- writing ------------------------------------------------------------------------------------
     def begin_epoch(self, committed: dict[int, int]) -> int:
