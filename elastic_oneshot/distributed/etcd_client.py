@@ -94,7 +94,8 @@ class EtcdClient:
 
     def call(self, method: str, *args, **kwargs):
         lost = _connection_error()
-        return retrying(self.retry_timeout, lambda e: isinstance(e, lost))(self.call_once, method, *args, **kwargs)
+        retry = retrying("etcd", self.retry_timeout, lambda e: isinstance(e, lost))
+        return retry(self.call_once, method, *args, **kwargs)
 
     def refresh_lease(self, lease_id: int) -> int:
         """One keep-alive of `lease_id` (never retried: the caller's loop is the retry); its remaining TTL, 0 when

@@ -13,6 +13,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from elastic_oneshot import metrics
 from elastic_oneshot.errors import UsageError, exit_now, report
 
 log = logging.getLogger("elastic_oneshot")
@@ -67,6 +68,7 @@ class World:
                         seen[other] = (current, now)
                     elif now - since > bound_s:
                         raise TimeoutError(f"rank {other} silent for {now - since:.0f} s")
+                    metrics.silence(other, now - seen[other][1])
                 self._stop.wait(interval)
         except Exception as e:  # the store itself may be the silent rank's
             if self._stop.is_set():

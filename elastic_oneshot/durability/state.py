@@ -40,6 +40,7 @@ import xxhash
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from elastic_oneshot import metrics
 from elastic_oneshot.durability.storage import DEBRIS, RETRY_S, open_storage
 from elastic_oneshot.errors import CorruptStateError, UsageError
 
@@ -80,12 +81,14 @@ class StateStore:
         with FileExistsError if `rel` exists (atomically: link(2), or a conditional put). A storage that
         refuses (full, read-only, unreachable) raises StorageError, and nothing is left at `rel`."""
         self.storage.put(rel, data, exclusive)
+        metrics.bytes_written(self.root, len(data))
         return {"path": rel, "size": len(data), "xxh3_128": digest(data)}
 
     def read_bytes(self, record: dict) -> bytes:
         data = self.storage.get(record["path"], record["size"])
         if data is None:
             raise CorruptStateError(f"{record['path']} is missing")
+        metrics.bytes_read(self.root, len(data))
         if len(data) != record["size"]:
             raise CorruptStateError(f"{record['path']} has {len(data)} bytes, expected {record['size']}")
         if digest(data) != record["xxh3_128"]:
@@ -108,6 +111,7 @@ class StateStore:
         raw = self.storage.get(rel)
         if raw is None:
             return None
+        metrics.bytes_read(self.root, len(raw))
         try:
             doc = json.loads(raw)
             body = doc["body"]

@@ -264,7 +264,7 @@ class ObjectStorage(Storage):
         def logged(attempt):
             log.warning("object store: retrying %s after %s", what, _first_line(attempt.outcome.exception()))
 
-        return retrying(self.retry_s, is_transient, before_sleep=logged)(fn, *args, **kwargs)
+        return retrying("storage", self.retry_s, is_transient, before_sleep=logged)(fn, *args, **kwargs)
 
     def put(self, rel: str, data: bytes, exclusive: bool = False):
         try:

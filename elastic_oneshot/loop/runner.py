@@ -19,6 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from elastic_oneshot import metrics
 from elastic_oneshot.distributed import signals
 from elastic_oneshot.distributed.world import World
 from elastic_oneshot.durability.boundaries import Boundaries, Priority, mtbf_from
@@ -113,11 +114,14 @@ class Runner:
         self.epoch, self.committed = start["epoch"], start["committed"]
         self.protocol.view = self.committed
         self.boundaries.restart([b for b, _ in self.protocol.durable(self.source.num_layers)], start["mtbf"])
+        metrics.epoch_began(self.epoch, self.world.size, self.source.num_layers, self.committed,
+                            self.boundaries.durable)
         if self.rank == 0:
             todo = [layer for layer in range(self.source.num_layers) if layer not in self.committed]
             self.state.append_event({"event": "start", "time": time.time(), "epoch": self.epoch,
                                      "world_size": self.world.size, "committed": len(self.committed),
                                      "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))})
+            metrics.history(self.state)
             log.info("epoch %d, world size %d: %d of %d layers committed; next is layer %s", self.epoch,
                      self.world.size, len(self.committed), self.source.num_layers, todo[0] if todo else "none")
 
@@ -259,6 +263,7 @@ class Runner:
         if self.rank == 0:
             self.state.append_event({"event": "commit", "layer": c.layer, "time": time.time(), "epoch": self.epoch,
                                      "world_size": self.world.size, "seconds": c.seconds})
+        metrics.committed(c.seconds, self.committed, self.boundaries.durable)
         log.info("layer %d/%d committed (%.1f s: %s)", c.layer + 1, self.source.num_layers, sum(c.seconds.values()),
                  ", ".join(f"{k} {v:.2f}" for k, v in c.seconds.items()))
         self.progress.update(len(self.committed))

@@ -8,6 +8,7 @@ import time
 
 import transformers
 
+from elastic_oneshot import metrics
 from elastic_oneshot.distributed import signals
 from elastic_oneshot.distributed.world import World
 from elastic_oneshot.durability.boundaries import parse_every
@@ -39,7 +40,7 @@ def oneshot(model: str | None = None, dataset: str = "builtin", scheme: str = "W
             chunk_size: int = 8, eval_samples: int = 0, collective_timeout: float = 60.0,
             moe_calibrate_all_experts: bool = True, coordinator: str | None = None,
             attention: str = "eager", allow_long_seq: bool = False, boundary_every: str | int = "auto",
-            mtbf_s: float | None = None) -> str:
+            mtbf_s: float | None = None, metrics_port: int | None = None) -> str:
     """Compress `model` with GPTQ, resumably; return the output directory (a local one, or an object-store prefix).
     Arguments mirror llmcompressor's `oneshot` where they mean the same. `recipe` is what llmcompressor takes
     (a GPTQModifier, a list of modifiers, a YAML file or text; see recipe_loader) or a Recipe; without it, `scheme`
@@ -47,7 +48,9 @@ def oneshot(model: str | None = None, dataset: str = "builtin", scheme: str = "W
     a URL puts it on object storage: storage.py); calling again with the same arguments resumes. Under torchrun
     every rank calls this with the same arguments; rank 0 writes the checkpoint. `coordinator` (etcd://HOST:PORT/
     PREFIX) keeps epochs and commits in etcd. `allow_long_seq` permits `max_seq_length` past max_position_embeddings.
-    `boundary_every` (auto, 0 or N layers) and `mtbf_s` set how often activations are written (boundaries.py)."""
+    `boundary_every` (auto, 0 or N layers) and `mtbf_s` set how often activations are written (boundaries.py).
+    `metrics_port` (None: $ELASTIC_ONESHOT_METRICS_PORT; 0: none) serves Prometheus metrics, per rank (metrics.py)."""
+    metrics.serve(metrics_port)  # the port is taken first: one that is in use ends this rank before any work
     world = World(timeout_s=collective_timeout)
     model = model or default_model()
     recipe = _recipe(recipe, Recipe(scheme=scheme, group_size=group_size, symmetric=symmetric, actorder=actorder,
@@ -67,8 +70,7 @@ def oneshot(model: str | None = None, dataset: str = "builtin", scheme: str = "W
     world.agree("the coordinator", job.coordinator)
     runner = Runner(job, state, records, source, world, schemes, parse_every(boundary_every), mtbf_s)
     claim = _claim(state, records, record, job, restart, destination) if world.rank == 0 else None
-    error = world.broadcast_object(claim)
-    if error:
+    if error := world.broadcast_object(claim):
         raise UsageError(error)
     records.attach(world.rank, world.size, source.num_layers)
     fault = _record_faults(state, world, runner)
@@ -84,7 +86,6 @@ def oneshot(model: str | None = None, dataset: str = "builtin", scheme: str = "W
     records.detach()
     if world.rank != 0:
         return output_dir
-
     export(state, records, destination, source, schemes, runner.protocol)
     log.info("wrote %s", output_dir)
     if eval_samples:
@@ -129,6 +130,7 @@ def _open(job: Job, state_dir: str, destination: Destination, coordinator: str |
     source.check_weights()
     check_seq_len(job.seq_len, source.config, allow_long_seq)
     record = job_record(job, source.digest(), source.num_layers)
+    metrics.job(record["fingerprint"])
     destination.check(record["fingerprint"], state.root)
     return job, state, records, source, record, job.recipe.module_schemes(source.skeleton, source.family)
 

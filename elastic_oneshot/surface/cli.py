@@ -82,6 +82,9 @@ def _run_arguments(run):
     run.add_argument("--coordinator", metavar="URL",
                      help="keep epochs and commits in etcd: etcd://HOST:PORT/PREFIX[?cacert=&cert=&key=&user="
                           "&password=] (see elastic_oneshot/etcd_records.py); files stay in --state")
+    run.add_argument("--metrics-port", type=int, metavar="PORT",
+                     help="serve Prometheus metrics on this port plus the local rank (default: "
+                          "ELASTIC_ONESHOT_METRICS_PORT; 0 or unset: none; see docs/operations.md)")
 
 
 
@@ -168,7 +171,7 @@ def _command(args):
                 moe_calibrate_all_experts=args.moe_calibrate == "all", attention=args.attention,
                 eval_samples=args.eval_samples, collective_timeout=args.collective_timeout,
                 recipe=args.recipe, coordinator=args.coordinator, allow_long_seq=args.allow_long_seq,
-                boundary_every=args.boundary_every, mtbf_s=args.mtbf)
+                boundary_every=args.boundary_every, mtbf_s=args.mtbf, metrics_port=args.metrics_port)
     elif args.command == "export":
         from elastic_oneshot.durability.destination import open_destination
         from elastic_oneshot.durability.records import open_records

@@ -52,14 +52,7 @@ def report(state: StateStore | str, now: float | None = None, records: Records |
     epochs = [{"epoch": s["epoch"], "time": s["time"], "world_size": s["world_size"],
                "committed_at_start": s["committed"], "commits": sum(c["epoch"] == s["epoch"] for c in commits)}
               for s in starts]
-    spans = []
-    for s in starts[1:]:
-        if s["committed"] >= total:
-            continue  # run again after the end: nothing to lose
-        before = [c["time"] for c in commits if c["time"] <= s["time"]] or [layers[0]["time"] if layers else s["time"]]
-        after = [e["time"] for e in layers if e["time"] >= s["time"]]
-        spans.append((max(before), min(after) if after else now))
-    lost = _union(spans)
+    lost = lost_spans(events, total, now)
     per_layer: dict[int, int] = {}
     for c in commits:
         per_layer[c["layer"]] = per_layer.get(c["layer"], 0) + 1
@@ -74,6 +67,21 @@ def report(state: StateStore | str, now: float | None = None, records: Records |
         "commits": [{"layer": c["layer"], "epoch": c["epoch"], "time": c["time"]} for c in commits],
         **_replay(state, records, committed, total, commits),
     }
+
+
+def lost_spans(events: list[dict], total: int, now: float) -> list[tuple[float, float]]:
+    """The time lost to failures (see above), as merged spans: also the metrics' (metrics.history)."""
+    starts = [e for e in events if e["event"] == "start"]
+    layers = [e for e in events if e["event"] == "layer"]
+    commits = [e for e in events if e["event"] == "commit"]
+    spans = []
+    for s in starts[1:]:
+        if s["committed"] >= total:
+            continue  # run again after the end: nothing to lose
+        before = [c["time"] for c in commits if c["time"] <= s["time"]] or [layers[0]["time"] if layers else s["time"]]
+        after = [e["time"] for e in layers if e["time"] >= s["time"]]
+        spans.append((max(before), min(after) if after else now))
+    return _union(spans)
 
 
 def _replay(state: StateStore, records: Records, committed: dict[int, int], total: int, commits: list[dict]) -> dict:
