@@ -1,8 +1,8 @@
 """Prometheus metrics from every rank (`--metrics-port`): fleets are watched in Prometheus and Grafana, and paged on,
 not by reading `status` on a shared volume.
 
-Off unless `serve` was called: then every hook returns at once, so the loop, the state, the retries and the
-watchdog call them freely. The values are plain numbers kept here, under one lock; a scrape reads them through one
+Until `serve` serves a port, every hook returns at once, so the loop, the state, the retries and the watchdog
+call them freely. The values are plain numbers kept here, under one lock; a scrape reads them through one
 collector, labelled with the job (the first 16 hex digits of its fingerprint), the rank, the node (the host name)
 and the epoch as they are at that moment. prometheus_client serves them from daemon threads: a scrape never waits
 for the loop, the loop never waits for a scrape, and the server dies with the worker. docs/operations.md lists
