@@ -16,6 +16,7 @@ at the end); `--coordinator` (no URL: that etcd) keeps the job's epochs and comm
 """
 
 import argparse
+import contextlib
 import hashlib
 import os
 import random
@@ -34,9 +35,13 @@ from elastic_oneshot.durability.records import open_records
 from elastic_oneshot.durability.state import StateStore, read_events
 from elastic_oneshot.durability.storage import is_url
 from elastic_oneshot.errors import CorruptStateError
+from elastic_oneshot.testing.netns import Fabric, NamespaceUnavailable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 KINDS = ("kill_worker", "kill_node", "stop_node", "term_node", "add_node", "corrupt_file", "restart_etcd")
+NETWORK_KINDS = ("partition", "partition_keep_store", "slow_link", "lossy_link", "store_brownout")
+CUTS = ("partition", "partition_keep_store")  # faults after which the survivors go on without the node
+STAYS = ("corrupt_file", "restart_etcd", "slow_link", "lossy_link", "store_brownout")  # membership unchanged
 
 
 def free_port() -> int:
@@ -45,18 +50,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def node_env() -> dict:
-    return {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
+def node_env(network: bool = False) -> dict:
+    """A node's environment; on a Fabric, gloo uses the host's one link."""
+    return {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1",
+            **({"GLOO_SOCKET_IFNAME": "eth0"} if network else {})}
 
 
 class Node:
-    """A torchrun agent and its worker(s), in a session of their own."""
+    """A torchrun agent and its worker(s), in a session of their own; on `host` (a Fabric's) if given.
+    `stopped`: frozen, or cut off from the others, until the fault heals."""
 
-    def __init__(self, name: str, cmd: list[str], log_dir: str):
-        self.name, self.stopped = name, False
+    def __init__(self, name: str, cmd: list[str], log_dir: str, host=None):
+        self.name, self.stopped, self.host = name, False, host
         self.log = open(os.path.join(log_dir, f"{name}.log"), "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=node_env(),
-                                     start_new_session=True)
+        if host is not None:
+            at = cmd.index("elastic_oneshot") - 1  # torchrun's own options end at its "-m"
+            cmd = [*cmd[:at], f"--local-addr={host.address}", *cmd[at:]]
+        popen = subprocess.Popen if host is None else host.popen
+        self.proc = popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=node_env(host is not None),
+                          start_new_session=True)
 
     @property
     def alive(self) -> bool:
@@ -91,27 +103,28 @@ class Node:
 
 
 class Cluster:
-    """Nodes sharing one rendezvous (a standalone c10d store, or etcd) and one state directory."""
+    """Nodes sharing one rendezvous (a standalone c10d store, or etcd) and one state directory. With `network` (a
+    netns.Fabric), every node, the rendezvous store and the object store (`object_store`: a local S3 server the
+    cluster starts, holding the state) are hosts of their own on it."""
 
     def __init__(self, workdir: str, model: str, job_args: list[str], max_nodes: int,
                  backend: str = "c10d", endpoint: str | None = None, collective_timeout: float = 10.0,
-                 coordinator: str | None = None, etcd_pause: float = 2.0, state_url: str | None = None):
-        self.workdir, self.max_nodes, self.backend = workdir, max_nodes, backend
+                 coordinator: str | None = None, etcd_pause: float = 2.0, state_url: str | None = None,
+                 network=None, object_store: bool = False):
+        self.workdir, self.max_nodes, self.backend, self.network = workdir, max_nodes, backend, network
         self.state, self.output = state_url or os.path.join(workdir, "state"), os.path.join(workdir, "out")
         os.makedirs(workdir, exist_ok=True)
-        self.store = self.etcd = None
+        self.store = self.etcd = self.s3 = self.store_host = None
         self.etcd_pause = etcd_pause
+        if object_store:
+            self.state = self._start_object_store()
         if endpoint is None and backend == "etcd3":
             from elastic_oneshot.testing.etcd_server import EtcdServer
 
             self.etcd = EtcdServer().start()
             endpoint = self.etcd.endpoint
         elif endpoint is None:
-            port = free_port()
-            self.store = subprocess.Popen([sys.executable, os.path.join(HERE, "store.py"), "--host", "127.0.0.1",
-                                           "--port", str(port)], stdout=subprocess.DEVNULL)
-            endpoint = f"127.0.0.1:{port}"
-            time.sleep(0.5)
+            endpoint = self._start_store()
         conf = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3,join_timeout=300"
         if backend == "c10d":
             conf = "is_host=false," + conf
@@ -129,8 +142,27 @@ class Cluster:
             self.cmd += ["--coordinator", coordinator]
         self.nodes: list[Node] = []
 
+    def _start_store(self) -> str:
+        host = self.network.host("rdzv") if self.network else None
+        address, port = (host.address, 29400) if host else ("127.0.0.1", free_port())
+        cmd = [sys.executable, os.path.join(HERE, "store.py"), "--host", address, "--port", str(port)]
+        self.store = (host.popen if host else subprocess.Popen)(cmd, stdout=subprocess.DEVNULL)
+        time.sleep(0.5)
+        return f"{address}:{port}"
+
+    def _start_object_store(self) -> str:
+        """The state on a local S3 server (on a host of its own on the network): its credentials and endpoint go
+        into this process's environment, which the nodes inherit."""
+        from elastic_oneshot.testing.s3_server import S3Server
+
+        self.store_host = self.network.host("s3") if self.network else None
+        self.s3 = S3Server(namespace=self.store_host).start()
+        os.environ.update(self.s3.env)
+        return f"s3://{self.s3.bucket}/chaos"
+
     def add_node(self) -> Node:
-        node = Node(f"node{len(self.nodes)}", self.cmd, self.workdir)
+        name = f"node{len(self.nodes)}"
+        node = Node(name, self.cmd, self.workdir, self.network.host(name) if self.network else None)
         self.nodes.append(node)
         return node
 
@@ -154,7 +186,7 @@ class Cluster:
             if any(e["event"] == "commit" and e["epoch"] > after_epoch and e["time"] > after_time
                    for e in self.events()):
                 return True
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline or not any(n.alive for n in self.nodes):
                 return False
             time.sleep(0.05)
         return True
@@ -186,6 +218,8 @@ class Cluster:
             node.signal_all(signal.SIGKILL)
         if self.store:
             self.store.kill()
+        if self.s3 and etcd:
+            self.s3.stop()
         if self.etcd and etcd:
             self.etcd.close()  # SIGKILL by PID, then its temp dir goes
 
@@ -224,7 +258,33 @@ def inject(cluster: Cluster, kind: str, rng: random.Random, stop_s: float) -> st
         time.sleep(cluster.etcd_pause)
         cluster.etcd.start()
         return "etcd"
+    if kind in NETWORK_KINDS:
+        return network_fault(cluster, kind, node, hold_s=stop_s)
     raise ValueError(kind)
+
+
+def network_fault(cluster: Cluster, kind: str, node: Node, hold_s: float) -> str:
+    """A network fault on `node`'s link (the object store's for store_brownout), healed after `hold_s`."""
+    host = cluster.store_host if kind == "store_brownout" else node.host
+    if kind in CUTS:  # from the peers and the rendezvous; partition_keep_store still reaches the object store
+        host.cut(keep=[cluster.store_host.address] if kind == "partition_keep_store" and cluster.store_host else [])
+        node.stopped = True
+    elif kind == "slow_link":
+        host.throttle(mbit=1)
+    elif kind == "lossy_link":
+        host.lose(0.05)
+    else:
+        host.throttle(mbit=2, latency_ms=2000)
+
+    def heal():
+        time.sleep(hold_s)
+        try:
+            host.heal()
+        except RuntimeError:
+            pass  # the network went with the harness
+        node.stopped = False
+    threading.Thread(target=heal, daemon=True).start()
+    return "s3" if kind == "store_brownout" else node.name
 
 
 def corrupt(state: str, rng: random.Random) -> str:
@@ -281,6 +341,10 @@ def feasible(cluster: Cluster, kinds) -> list[str]:
             continue
         if kind == "restart_etcd" and cluster.etcd is None:
             continue  # only the etcd this harness started
+        if kind in NETWORK_KINDS and (cluster.network is None or kind in CUTS and n < 2):
+            continue
+        if kind == "store_brownout" and cluster.store_host is None:
+            continue
         ok.append(kind)
     return ok
 
@@ -353,12 +417,16 @@ def compare(out: str, reference: str) -> dict:
 
 # -- figures ----------------------------------------------------------------------------------------
 def figures(faults: list[dict], events: list[dict]) -> list[dict]:
-    """Per fault: time until the first layer started in a newer epoch, and layers in flight lost."""
+    """Per fault: seconds until a newer epoch began (detected) and until its first layer started (recovered), and
+    whether the layer in flight was lost. A fault that leaves the membership as it is (etcd restarted, a slow
+    link): seconds until the next commit, and whether the workers restarted."""
     starts = [e for e in events if e["event"] == "layer"]
     commits = {(e["epoch"], e["layer"]) for e in events if e["event"] == "commit"}
     for f in faults:
         epoch = max((e["epoch"] for e in events if e["event"] == "start" and e["time"] <= f["time"]), default=0)
-        if f["kind"] == "restart_etcd":  # from etcd back up to the next commit; lost: the workers restarted
+        began = [e for e in events if e["event"] == "start" and e["epoch"] > epoch and e["time"] >= f["time"]]
+        f["detect_s"] = began[0]["time"] - f["time"] if began and f["kind"] != "corrupt_file" else None
+        if f["kind"] in STAYS:
             after = [e for e in events if e["event"] == "commit" and e["time"] >= f["time"]]
             f["recovery_s"] = after[0]["time"] - f["time"] if after else None
             f["lost_layers"] = int(bool(after) and after[0]["epoch"] > epoch)
@@ -372,14 +440,17 @@ def figures(faults: list[dict], events: list[dict]) -> list[dict]:
 
 
 def table(faults: list[dict], events: list[dict]) -> str:
-    rows = ["fault          count  recovered  median recovery (s)  layers lost"]
-    for kind in KINDS:
+    rows = ["fault                 count  recovered  median detect (s)  median recovery (s)  layers lost"]
+    for kind in KINDS + NETWORK_KINDS:
         mine = [f for f in faults if f["kind"] == kind]
         if not mine:
             continue
         rec = [f["recovery_s"] for f in mine if f["recovery_s"] is not None]
+        det = [f["detect_s"] for f in mine if f["detect_s"] is not None]
         med = f"{statistics.median(rec):.1f}" if rec else "-"
-        rows.append(f"{kind:14} {len(mine):5d}  {len(rec):9d}  {med:>19}  {sum(f['lost_layers'] for f in mine):11d}")
+        mdet = f"{statistics.median(det):.1f}" if det else "-"
+        rows.append(f"{kind:21} {len(mine):5d}  {len(rec):9d}  {mdet:>17}  {med:>19}  "
+                    f"{sum(f['lost_layers'] for f in mine):11d}")
     epochs = [e for e in events if e["event"] == "start"]
     rows.append(f"epochs {len(epochs)}, world sizes {[e['world_size'] for e in epochs]}")
     return "\n".join(rows)
@@ -390,19 +461,21 @@ def reference_run(model: str, job_args: list[str], world: int, workdir: str) -> 
     if not os.path.isfile(os.path.join(out, "config.json")):
         shutil.rmtree(out + ".state", ignore_errors=True)
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-                        "-m", "elastic_oneshot", "run", "--model", model, "--output", out, *job_args],
+                        "-m", "elastic_oneshot", "run", "--model", model, "--output", out, *map(str, job_args)],
                        check=True, env=node_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return out
 
 
-def main(argv=None) -> int:
+def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="chaos test of elastic-oneshot on one machine")
-    p.add_argument("--model", required=True)
+    p.add_argument("--model", help="the model to compress (default: a tiny random 32-layer Llama, made in the "
+                                    "workdir, with a job of a second or two per layer)")
     p.add_argument("--workdir", default="chaos-work")
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--max-nodes", type=int, default=3)
     p.add_argument("--faults", type=int, default=10)
-    p.add_argument("--kinds", default=",".join(KINDS))
+    p.add_argument("--kinds", help=f"comma-separated, of {', '.join(KINDS + NETWORK_KINDS)} (default: all that "
+                                   "apply: the network ones with --network)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--backend", default="c10d", choices=["c10d", "etcd3"])
     p.add_argument("--endpoint", help="rendezvous endpoint (default: start a standalone c10d store, or an etcd)")
@@ -412,55 +485,89 @@ def main(argv=None) -> int:
     p.add_argument("--collective-timeout", type=float, default=10.0)
     p.add_argument("--state-url", help="keep the state on object storage (s3://BUCKET/PREFIX; emptied first), "
                                        "credentials and endpoint from the environment (AWS_ENDPOINT_URL...)")
+    p.add_argument("--object-store", action="store_true",
+                   help="keep the state on a local S3 server (moto) that the harness starts (the default with "
+                        "--network, whose nodes share no directory on a real fleet)")
+    p.add_argument("--shared-directory", action="store_true", help="with --network: the state in a directory")
+    p.add_argument("--network", action="store_true",
+                   help="every node and server a network namespace of its own on one bridge (root; removed at "
+                        "the end): the network faults need it")
     p.add_argument("--report", action="store_true", help="print the median time from fault to recovery")
     p.add_argument("job", nargs="*", help="arguments for `elastic-oneshot run` (after --)")
     a = p.parse_args(argv)
+    a.kinds = a.kinds.split(",") if a.kinds else list(KINDS + (NETWORK_KINDS if a.network else ()))
+    unknown = set(a.kinds) - set(KINDS + NETWORK_KINDS)
+    if unknown:
+        p.error(f"unknown fault kinds: {', '.join(sorted(unknown))}")
+    if set(a.kinds) & set(NETWORK_KINDS) and not a.network:
+        p.error("network faults need --network")
+    a.object_store = a.object_store or a.network and not (a.shared_directory or a.state_url)
+    if a.model is None:
+        from elastic_oneshot.testing.tiny import make_model
+
+        a.model = make_model(os.path.join(a.workdir, "model"), "llama", num_hidden_layers=32, hidden_size=512,
+                             intermediate_size=1024)
+        a.job = a.job or ["--num-samples", "64", "--seq-len", "256", "--group-size", "64", "--chunk-size", "8"]
+    return a
+
+
+def campaign(cluster: Cluster, a: argparse.Namespace, rng: random.Random) -> tuple[list[dict], set[int], str | None]:
+    """Start the nodes, inject `a.faults` faults, wait for the end: the faults, the layers whose files were
+    corrupted, and why the job did not finish (None if it did)."""
+    faults, corrupted = [], set()
+    for _ in range(a.nodes):
+        cluster.add_node()
+    stuck = None if cluster.wait_progress() else "no layer committed after the start"
+    while len(faults) < a.faults and not cluster.done() and not stuck:
+        time.sleep(rng.uniform(0, 0.5))
+        if cluster.done():
+            break
+        kind = rng.choice(feasible(cluster, a.kinds))
+        target = inject(cluster, kind, rng, stop_s=a.collective_timeout + 5)
+        faults.append({"kind": kind, "target": target, "time": time.time()})
+        if kind == "corrupt_file" and target.startswith(("layers", "commits")):
+            corrupted.add(int(target.split("/")[1].split(".")[0]))
+        print(f"{time.strftime('%H:%M:%S')} fault {len(faults)}: {kind} {target}", flush=True)
+        if not cluster.live() and not any(n.stopped for n in cluster.nodes):
+            cluster.add_node()
+        # Work again after this fault, in the new membership unless the fault leaves it as it is.
+        restarts = kind not in STAYS  # etcd coming back, or a link healing, restarts nothing
+        if not cluster.wait_progress(cluster.epoch() if restarts else -1, faults[-1]["time"]):
+            stuck = f"no layer committed within 180 s after fault {len(faults)}"
+    if not cluster.live() and not stuck:
+        cluster.add_node()
+    if not stuck and not cluster.wait_done():
+        stuck = "not done within 600 s after the last fault"
+    return faults, corrupted, stuck
+
+
+def main(argv=None) -> int:
+    a = parse(argv)
     rng = random.Random(a.seed)
-    kinds = a.kinds.split(",")
     shutil.rmtree(os.path.join(a.workdir, "state"), ignore_errors=True)
     if a.state_url:
         StateStore(a.state_url).clear()
     shutil.rmtree(os.path.join(a.workdir, "out"), ignore_errors=True)
     os.makedirs(a.workdir, exist_ok=True)
     reference = reference_run(a.model, a.job, a.nodes, a.workdir)
-
-    cluster = Cluster(a.workdir, a.model, a.job, a.max_nodes, a.backend, a.endpoint, a.collective_timeout,
-                      a.coordinator, a.etcd_pause, a.state_url)
-    faults, corrupted = [], set()
-    try:
-        for _ in range(a.nodes):
-            cluster.add_node()
-        stuck = None if cluster.wait_progress() else "no layer committed after the start"
-        while len(faults) < a.faults and not cluster.done() and not stuck:
-            time.sleep(rng.uniform(0, 0.5))
-            if cluster.done():
-                break
-            kind = rng.choice(feasible(cluster, kinds))
-            target = inject(cluster, kind, rng, stop_s=a.collective_timeout + 5)
-            faults.append({"kind": kind, "target": target, "time": time.time()})
-            if kind == "corrupt_file" and target.startswith(("layers", "commits")):
-                corrupted.add(int(target.split("/")[1].split(".")[0]))
-            print(f"{time.strftime('%H:%M:%S')} fault {len(faults)}: {kind} {target}", flush=True)
-            if not cluster.live() and not any(n.stopped for n in cluster.nodes):
-                cluster.add_node()
-            # Work again after this fault, in the new membership unless the fault leaves it as it is.
-            restarts = kind not in ("corrupt_file", "restart_etcd")  # etcd coming back restarts nothing
-            if not cluster.wait_progress(cluster.epoch() if restarts else -1, faults[-1]["time"]):
-                stuck = f"no layer committed within 180 s after fault {len(faults)}"
-        if not cluster.live() and not stuck:
-            cluster.add_node()
-        finished = not stuck and cluster.wait_done()
-    finally:
-        cluster.close(etcd=False)  # the checks may read the job state from it
-    try:
-        failures = check_invariants(cluster, corrupted, reference, a.nodes) if finished else None
-    finally:
-        cluster.close()
-    if not finished:
-        print(f"the job did not finish: {stuck or 'not done within 600 s after the last fault'} (node logs: "
-              f"{a.workdir})")
-        return 1
-    events = cluster.events()
+    with contextlib.ExitStack() as stack:
+        try:
+            network = stack.enter_context(Fabric()) if a.network else None
+        except NamespaceUnavailable as e:
+            print(f"chaos: {e}")
+            return 2
+        cluster = Cluster(a.workdir, a.model, a.job, a.max_nodes, a.backend, a.endpoint, a.collective_timeout,
+                          a.coordinator, a.etcd_pause, a.state_url, network, a.object_store)
+        stack.callback(cluster.close)
+        try:
+            faults, corrupted, stuck = campaign(cluster, a, rng)
+        finally:
+            cluster.close(etcd=False)  # the checks may read the job state from it
+        if stuck:
+            print(f"the job did not finish: {stuck} (node logs: {a.workdir})")
+            return 1
+        failures = check_invariants(cluster, corrupted, reference, a.nodes)
+        events = cluster.events()
     print(table(figures(faults, events), events))
     rec = [f["recovery_s"] for f in faults if f["recovery_s"] is not None]
     if a.report and rec:

@@ -32,10 +32,10 @@ def _tc(*args: str, namespace: str | None = None):
         raise NamespaceUnavailable(f"{' '.join(cmd)}: {done.stderr.strip()}")
 
 
-def _free_subnet() -> int:
-    """N such that no interface here has an address in 10.201.N.0/24."""
+def _free_subnet(prefix: str = "10.201") -> int:
+    """N such that no interface here has an address in PREFIX.N.0/24."""
     used = subprocess.run(["ip", "-o", "-4", "addr"], capture_output=True, text=True).stdout
-    return next(n for n in range(1 + os.getpid() % 200, 255) if f"10.201.{n}." not in used)
+    return next(n for n in range(1 + os.getpid() % 200, 255) if f"{prefix}.{n}." not in used)
 
 
 class Namespace:
@@ -81,3 +81,107 @@ class Namespace:
         if self.name is not None:
             subprocess.run(["ip", "netns", "del", self.name], capture_output=True)
             self.name = None
+
+
+class Fabric:
+    """A switch and the hosts on it, for tests that fail by the network: each host is a namespace whose `eth0` has
+    an address on 10.202.N.0/24; the switch is a bridge in a namespace of its own; this machine reaches every
+    host at `gateway` through one veth pair of ours. Faults act inside a host's namespace (its firewall, its
+    qdisc), so they touch nothing of the machine's. Removing the namespaces removes everything made here.
+
+        with Fabric() as net:
+            store = net.host("store"); node = net.host("node0")
+            node.popen([...]); node.cut(keep=[store.address]); node.throttle(mbit=2); node.heal()
+    """
+
+    def __init__(self):
+        self.hosts: dict[str, Host] = {}
+        self.hub = self._link = None
+
+    def __enter__(self) -> "Fabric":
+        if os.geteuid() != 0 or not all(shutil.which(c) for c in ("ip", "tc", "iptables")):
+            raise NamespaceUnavailable("network faults need root and the ip, tc and iptables commands "
+                                       "(Debian: iproute2, iptables)")
+        self.n = n = _free_subnet(prefix="10.202")
+        self.subnet, self.hub, gateway_link = f"10.202.{n}", f"eo-{os.getpid()}-{n}-hub", f"eob{n}"
+        self.gateway = f"{self.subnet}.254"
+        try:
+            _ip("netns", "add", self.hub)
+            _ip("link", "add", "br0", "type", "bridge", namespace=self.hub)
+            _ip("link", "set", "br0", "up", namespace=self.hub)
+            _ip("link", "add", gateway_link, "type", "veth", "peer", "name", "gw", "netns", self.hub)
+            self._link = gateway_link
+            _ip("link", "set", "gw", "master", "br0", "up", namespace=self.hub)
+            _ip("addr", "add", f"{self.gateway}/24", "dev", gateway_link)
+            _ip("link", "set", gateway_link, "up")
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def host(self, name: str) -> "Host":
+        """A new host named `name`, up, with the next address."""
+        index = len(self.hosts) + 1
+        host = Host(f"eo-{os.getpid()}-{self.n}-{name}", f"{self.subnet}.{index}")
+        self.hosts[name] = host
+        _ip("netns", "add", host.namespace)
+        _ip("link", "add", f"p{index}", "type", "veth", "peer", "name", "eth0", "netns", host.namespace,
+            namespace=self.hub)
+        _ip("link", "set", f"p{index}", "master", "br0", "up", namespace=self.hub)
+        _ip("addr", "add", f"{host.address}/24", "dev", "eth0", namespace=host.namespace)
+        _ip("link", "set", "eth0", "up", namespace=host.namespace)
+        _ip("link", "set", "lo", "up", namespace=host.namespace)
+        return host
+
+    def __exit__(self, *exc):
+        for host in self.hosts.values():
+            subprocess.run(["ip", "netns", "del", host.namespace], capture_output=True)
+        self.hosts = {}
+        if self._link is not None:
+            subprocess.run(["ip", "link", "del", self._link], capture_output=True)
+            self._link = None
+        if self.hub is not None:
+            subprocess.run(["ip", "netns", "del", self.hub], capture_output=True)
+            self.hub = None
+
+
+class Host:
+    """One machine on a Fabric: a namespace whose one link, `eth0`, has `address`."""
+
+    def __init__(self, namespace: str, address: str):
+        self.namespace, self.address = namespace, address
+
+    def popen(self, cmd: list[str], **kwargs) -> subprocess.Popen:
+        """`cmd` started on this host."""
+        return subprocess.Popen(["ip", "netns", "exec", self.namespace, *cmd], **kwargs)
+
+    def _run(self, *cmd: str):
+        done = subprocess.run(["ip", "netns", "exec", self.namespace, *cmd], capture_output=True, text=True)
+        if done.returncode:
+            raise NamespaceUnavailable(f"{' '.join(cmd)} on {self.namespace}: {done.stderr.strip()}")
+
+    def cut(self, keep: list[str] = ()):
+        """A partition: every packet to or from another host dropped, but those of the addresses in `keep`."""
+        for address in keep:
+            self._run("iptables", "-A", "INPUT", "-i", "eth0", "-s", address, "-j", "ACCEPT")
+            self._run("iptables", "-A", "OUTPUT", "-o", "eth0", "-d", address, "-j", "ACCEPT")
+        self._run("iptables", "-A", "INPUT", "-i", "eth0", "-j", "DROP")
+        self._run("iptables", "-A", "OUTPUT", "-o", "eth0", "-j", "DROP")
+
+    def lose(self, fraction: float):
+        """A lossy link: each packet in or out dropped with probability `fraction`."""
+        for chain, side in (("INPUT", "-i"), ("OUTPUT", "-o")):
+            self._run("iptables", "-A", chain, side, "eth0", "-m", "statistic", "--mode", "random",
+                      "--probability", str(fraction), "-j", "DROP")
+
+    def throttle(self, mbit: float, latency_ms: int = 500):
+        """A slow link: what leaves this host goes through a token bucket of `mbit`, queueing up to
+        `latency_ms` (netem, which would add a fixed delay, is missing from some kernels: this one's included)."""
+        self._run("tc", "qdisc", "replace", "dev", "eth0", "root", "tbf", "rate", f"{mbit}mbit", "burst", "16kb",
+                  "latency", f"{latency_ms}ms")
+
+    def heal(self):
+        """Every fault above undone."""
+        self._run("iptables", "-F")
+        subprocess.run(["ip", "netns", "exec", self.namespace, "tc", "qdisc", "del", "dev", "eth0", "root"],
+                       capture_output=True)  # fails when there is none

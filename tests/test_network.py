@@ -1,0 +1,106 @@
+"""Faults of the network (launch/chaos.py --network): every node, the rendezvous store and the object store a host
+of its own on a bridge (netns.Fabric), cut off, slowed, made lossy, or browned out for a while. After each, the
+invariants hold and the checkpoint is the uninterrupted run's, byte for byte (it is at any world size)."""
+
+import random
+import re
+import time
+
+import pytest
+
+from elastic_oneshot.testing.netns import Fabric, NamespaceUnavailable
+from elastic_oneshot.testing.runs import tree_digest
+from elastic_oneshot.testing.tiny import make_model
+from launch.chaos import Cluster, check_invariants, inject, reference_run
+
+JOB = ["--num-samples", 64, "--seq-len", 256, "--group-size", 64, "--chunk-size", 8]  # a few seconds per layer
+TIMEOUT = 10  # --collective-timeout
+HOLD = TIMEOUT + 5  # seconds a fault lasts: a cut node is noticed before it heals
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+
+@pytest.fixture
+def fabric():
+    try:
+        with Fabric() as net:
+            yield net
+    except NamespaceUnavailable as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return make_model(str(tmp_path_factory.mktemp("models") / "wide16"), "llama", num_hidden_layers=16,
+                      hidden_size=512, intermediate_size=1024)
+
+
+@pytest.fixture(scope="module")
+def reference(model, tmp_path_factory):
+    return reference_run(model, JOB, 1, str(tmp_path_factory.mktemp("reference")))
+
+
+@pytest.fixture
+def clusters():
+    made = []
+
+    def make(*args, **kwargs):
+        made.append(Cluster(*args, **kwargs))
+        return made[-1]
+    yield make
+    for cluster in made:
+        cluster.close()
+
+
+def finished_intact(cluster: Cluster, reference: str) -> list[dict]:
+    """Waits for the end; asserts every invariant and the uninterrupted run's bits; the epochs begun."""
+    assert cluster.wait_done(timeout=400), "the job did not finish"
+    cluster.close(etcd=False)  # every node gone; the object store stays for the checks
+    failures = check_invariants(cluster, set(), reference, reference_world=1)
+    assert not [f for f in failures if "byte-identical" not in f], failures
+    assert tree_digest(cluster.output) == tree_digest(reference)
+    starts = [e for e in cluster.events() if e["event"] == "start"]
+    print(f"\nepochs {len(starts)}, world sizes {[e['world_size'] for e in starts]}")
+    return starts
+
+
+@pytest.mark.parametrize("kind,object_store", [("partition", False), ("partition_keep_store", True),
+                                               ("slow_link", False), ("lossy_link", False),
+                                               ("store_brownout", True)])
+def test_a_network_fault_on_two_nodes(kind, object_store, model, reference, fabric, tmp_path, clusters):
+    cluster = clusters(str(tmp_path), model, JOB, max_nodes=2, collective_timeout=TIMEOUT, network=fabric,
+                       object_store=object_store)
+    cluster.add_node(), cluster.add_node()
+    cluster.wait_commits(2)
+    epoch, at = cluster.epoch(), time.time()
+    print(f"\n{kind} on {inject(cluster, kind, random.Random(0), stop_s=HOLD)} for {HOLD} s")
+    assert cluster.wait_progress(after_epoch=epoch if kind.startswith("partition") else -1, after_time=at)
+    starts = finished_intact(cluster, reference)
+    if kind.startswith("partition"):  # the others went on without the node, which came back
+        assert [e["world_size"] for e in starts][:2] == [2, 1]
+
+
+@pytest.mark.parametrize("object_store", [False, True], ids=["directory", "object-store"])
+def test_a_node_cut_off_but_reaching_the_store_is_fenced_off(object_store, model, reference, fabric, tmp_path,
+                                                             clusters):
+    """The split brain: a node working alone (W=1 needs no peer) is cut off from the rendezvous but still reaches
+    the state. Another node takes over in a newer epoch; the first one's next commit is refused, and after the
+    cut heals it waits (the rendezvous is full) and leaves when the job is done."""
+    cluster = clusters(str(tmp_path), model, JOB, max_nodes=1, collective_timeout=TIMEOUT, network=fabric,
+                       object_store=object_store)
+    isolated = cluster.add_node()
+    cluster.wait_commits(2)
+    isolated.host.cut(keep=[cluster.store_host.address] if object_store else [])
+    isolated.stopped = True
+    cluster.add_node()
+    deadline = time.monotonic() + 300
+    while not (refused := re.findall(r"fenced off: .*", open(isolated.log.name).read())):
+        assert time.monotonic() < deadline and not cluster.done(), "the isolated worker was never refused"
+        time.sleep(0.5)
+    print(f"\nthe isolated node: {refused[0]}")
+    assert re.match(r"fenced off: epoch (\d+) is stale \(epoch (\d+) has begun\): layer \d+ not committed",
+                    refused[0])
+    isolated.host.heal()
+    isolated.stopped = False
+    starts = finished_intact(cluster, reference)
+    assert {e["world_size"] for e in starts} == {1} and len(starts) >= 2
