@@ -45,11 +45,13 @@ def records(endpoint: str, prefix: str, **options) -> EtcdRecords:
 # -- the transactions, directly --------------------------------------------------------------------------
 def test_url():
     p = parse_url("etcd://h:1234/jobs/x/?cacert=/a.pem&cert=/c.pem&key=/k.pem&user=u&password=s3cret&ttl=4")
-    assert (p["host"], p["port"], p["prefix"]) == ("h", 1234, "/jobs/x/")
+    assert (p["endpoints"], p["prefix"]) == ([("h", 1234)], "/jobs/x/")
+    assert parse_url("etcd://a:1,b,10.0.0.3:3/j")["endpoints"] == [("a", 1), ("b", 2379), ("10.0.0.3", 3)]
     assert p["options"]["password"] == "s3cret" and p["options"]["ttl"] == "4"
     assert "s3cret" not in redact("etcd://h:1234/jobs/x?user=u&password=s3cret") and "user=u" in redact(
         "etcd://h:1234/jobs/x?user=u&password=s3cret")
-    for bad in ("http://h:1/x", "etcd://h:1/", "etcd://h:1/x?colour=red", "etcd://h:1/x?cert=/c.pem"):
+    for bad in ("http://h:1/x", "etcd://h:1/", "etcd://h:1/x?colour=red", "etcd://h:1/x?cert=/c.pem", "etcd://h:x/j",
+                "etcd://a:1,,b:2/j"):
         with pytest.raises(UsageError):
             EtcdRecords.from_url(bad)
 

@@ -34,9 +34,12 @@ _TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
 
 
 def is_transient(exc: BaseException) -> bool:
-    """Whether `exc` says etcd is unreachable for now (down, restarting, cut off), not that a request is wrong."""
-    return (isinstance(exc, (etcd3.exceptions.ConnectionFailedError, etcd3.exceptions.ConnectionTimeoutError))
-            or isinstance(exc, grpc.RpcError) and exc.code() in _TRANSIENT)
+    """Whether `exc` says etcd is unreachable for now (down, restarting, cut off, or without a quorum: a member
+    that lost it answers UNKNOWN "context deadline exceeded"), not that a request is wrong."""
+    if isinstance(exc, (etcd3.exceptions.ConnectionFailedError, etcd3.exceptions.ConnectionTimeoutError)):
+        return True
+    return isinstance(exc, grpc.RpcError) and (exc.code() in _TRANSIENT or exc.code() == grpc.StatusCode.UNKNOWN
+                                               and "deadline exceeded" in (exc.details() or ""))
 
 
 def _connection_error() -> type[Exception]:
@@ -48,17 +51,29 @@ def _connection_error() -> type[Exception]:
     return RendezvousConnectionError
 
 
-class EtcdClient:
-    """An etcd3 client that survives etcd restarts: after a transient error the client is rebuilt (a fresh channel
-    skips gRPC's growing reconnect backoff, and a fresh login replaces an auth token the restart forgot), and
-    `call` retries with jittered exponential backoff for `retry_timeout` seconds. Only idempotent or
-    compare-and-set requests may go through `call`; anything else uses `call_once`. Unreachable etcd raises
-    torch's RendezvousConnectionError."""
+def parse_endpoints(text: str) -> list[tuple[str, int]]:
+    """"HOST[:PORT][,HOST[:PORT]...]" (the members of one etcd cluster) -> [(host, port)]; ValueError if malformed."""
+    out = []
+    for item in text.split(","):
+        host, colon, port = item.strip().rpartition(":")
+        host, port = (host, port) if colon else (port, "2379")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"etcd endpoint {item!r}: expected HOST or HOST:PORT")
+        out.append((host, int(port)))
+    return out
 
-    def __init__(self, host: str, port: int, *, cacert: str | None = None, cert: str | None = None,
+
+class EtcdClient:
+    """An etcd3 client that survives etcd restarts and the loss of a member: after a transient error the client is
+    rebuilt on the next of `endpoints` (the members of one cluster; a fresh channel skips gRPC's growing reconnect
+    backoff, and a fresh login replaces an auth token the restart forgot), and `call` retries with jittered
+    exponential backoff for `retry_timeout` seconds. Only idempotent or compare-and-set requests may go through
+    `call`; anything else uses `call_once`. Unreachable etcd raises torch's RendezvousConnectionError."""
+
+    def __init__(self, endpoints: list[tuple[str, int]], *, cacert: str | None = None, cert: str | None = None,
                  key: str | None = None, user: str | None = None, password: str | None = None,
                  retry_timeout: float = 10, where: str = "--rdzv-conf"):
-        self.host, self.port = host, port
+        self.endpoints, self._at = endpoints, 0
         if (cert or key) and not (cacert and cert and key):
             raise ValueError(f"etcd: TLS client auth needs all of cacert, cert and key in {where}")
         self._kwargs = dict(ca_cert=cacert, cert_cert=cert, cert_key=key, user=user, password=password,
@@ -70,16 +85,23 @@ class EtcdClient:
     def client(self) -> etcd3.Etcd3Client:
         with self._lock:
             if self._client is None:
-                self._client = etcd3.client(self.host, self.port, **self._kwargs)
+                self._client = etcd3.client(*self.endpoints[self._at], **self._kwargs)
                 # The auth token also travels as plain metadata; as call credentials, current gRPC refuses it on
                 # http channels ("does not have a sufficient security level").
                 self._client.call_credentials = None
             return self._client
 
+    @property
+    def endpoint(self) -> str:
+        """The member in use."""
+        host, port = self.endpoints[self._at]
+        return f"{host}:{port}"
+
     def _drop(self, failed: etcd3.Etcd3Client | None) -> None:
         with self._lock:
             if self._client is failed:
                 self._client = None
+                self._at = (self._at + 1) % len(self.endpoints)
 
     def call_once(self, method: str, *args, **kwargs):
         client = None
@@ -90,7 +112,7 @@ class EtcdClient:
             if not is_transient(exc):
                 raise
             self._drop(client)
-            raise _connection_error()(f"etcd at {self.host}:{self.port} failed: {exc!r}") from exc
+            raise _connection_error()(f"etcd at {self.endpoint} failed: {exc!r}") from exc
 
     def call(self, method: str, *args, **kwargs):
         lost = _connection_error()

@@ -8,9 +8,11 @@ Keys, all under /torchrun/elastic-oneshot/<run_id>/ (stale ones: see clear_finis
     state      torch's pickled rendezvous state; writes are compare-and-set on the key's mod_revision
     store/...  the c10d Store the agents share (MASTER_ADDR/PORT, rank assignment, exit barrier)
 
+--rdzv-endpoint: HOST:PORT, or every member of the cluster, HOST:PORT,HOST:PORT,... (a member lost is skipped).
 --rdzv-conf options: cacert, cert, key (TLS; plain http without cacert), user, password (etcd auth; torchrun logs
 --rdzv-conf, password included), read_timeout (s a blocking store read waits, default 60, as for c10d),
-retry_timeout (s of retrying an unreachable etcd, default 10; keep it below the rendezvous timeouts).
+retry_timeout (s of retrying an unreachable etcd, default 10: the longest loss of etcd's quorum the agents ride out;
+keep it below the rendezvous timeouts).
 """
 from __future__ import annotations
 
@@ -31,14 +33,13 @@ def entry_point():
 
 
 from elastic_oneshot.distributed.etcd_client import (  # noqa: E402,I001  (first: it sets protobuf up, before torch might load it)
-    Delete, EtcdClient, Get, Mod, Put, Value, Version, etcd3)
+    Delete, EtcdClient, Get, Mod, Put, Value, Version, etcd3, parse_endpoints)
 
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.elastic.rendezvous import RendezvousParameters  # noqa: E402
 from torch.distributed.elastic.rendezvous.api import RendezvousClosedError  # noqa: E402
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (  # noqa: E402
     DynamicRendezvousHandler, RendezvousBackend, Token, create_handler)
-from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +49,11 @@ _MAX_TXN_OPS = 128  # etcd's default --max-txn-ops
 
 def client_from_params(params: RendezvousParameters) -> EtcdClient:
     """The client for torchrun's --rdzv-endpoint and --rdzv-conf (see the module docstring)."""
-    host, port = parse_rendezvous_endpoint(params.endpoint, default_port=2379)
-    return EtcdClient(host, port, cacert=params.get("cacert"), cert=params.get("cert"), key=params.get("key"),
+    try:
+        endpoints = parse_endpoints(params.endpoint)
+    except ValueError as e:
+        raise ValueError(f"--rdzv-endpoint: {e}") from None
+    return EtcdClient(endpoints, cacert=params.get("cacert"), cert=params.get("cert"), key=params.get("key"),
                       user=params.get("user"), password=params.get("password"),
                       retry_timeout=params.get_as_int("retry_timeout", 10))
 

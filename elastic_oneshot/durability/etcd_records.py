@@ -68,6 +68,7 @@ from elastic_oneshot.distributed.etcd_client import (
     Version,
     etcd3,
     is_transient,
+    parse_endpoints,
 )
 from elastic_oneshot.durability.records import Records
 from elastic_oneshot.durability.state import canonical_json
@@ -84,10 +85,16 @@ _OPTIONS = {"cacert", "cert", "key", "user", "password", "ttl", "retry_timeout"}
 
 
 def parse_url(url: str) -> dict:
-    """etcd://HOST[:PORT]/PREFIX[?options] -> {host, port, prefix, options}; UsageError when malformed."""
+    """etcd://HOST[:PORT][,HOST[:PORT]...]/PREFIX[?options] (a cluster's members, tried in turn) ->
+    {endpoints, prefix, options}; UsageError when malformed."""
     parts = urllib.parse.urlsplit(url)
-    if parts.scheme != "etcd" or not parts.hostname:
-        raise UsageError(f"--coordinator {redact(url)}: expected etcd://HOST:PORT/PREFIX[?cacert=..&cert=..&key=..]")
+    usage = f"--coordinator {redact(url)}: expected etcd://HOST:PORT[,HOST:PORT...]/PREFIX[?cacert=..&cert=..&key=..]"
+    if parts.scheme != "etcd" or not parts.netloc:
+        raise UsageError(usage)
+    try:
+        endpoints = parse_endpoints(parts.netloc)
+    except ValueError:
+        raise UsageError(usage) from None
     prefix = "/" + parts.path.strip("/")
     if prefix == "/":
         raise UsageError(f"--coordinator {redact(url)}: give a key prefix for this job, e.g. etcd://HOST:PORT/jobs/NAME")
@@ -96,11 +103,7 @@ def parse_url(url: str) -> dict:
         if k not in _OPTIONS:
             raise UsageError(f"--coordinator: unknown option {k!r} (known: {', '.join(sorted(_OPTIONS))})")
         options[k] = v
-    try:
-        port = parts.port or 2379
-    except ValueError:
-        raise UsageError(f"--coordinator {redact(url)}: bad port") from None
-    return {"host": parts.hostname, "port": port, "prefix": prefix + "/", "options": options}
+    return {"endpoints": endpoints, "prefix": prefix + "/", "options": options}
 
 
 def redact(url: str) -> str:
@@ -114,18 +117,18 @@ class EtcdRecords(Records):
     """Epoch fences, commits and progress in etcd (see the module docstring), with all of records.Records: claim
     and adopt (the job owns the prefix), attach/detach (a rank's lease), progress and watch_progress."""
 
-    def __init__(self, host: str, port: int = 2379, prefix: str = "/elastic-oneshot/", *, cacert=None, cert=None,
+    def __init__(self, endpoints: list[tuple[str, int]], prefix: str = "/elastic-oneshot/", *, cacert=None, cert=None,
                  key=None, user=None, password=None, ttl: float = DEFAULT_TTL,
                  retry_timeout: float = DEFAULT_RETRY_TIMEOUT, url: str | None = None):
         if user and password is None:
             password = os.environ.get(PASSWORD_ENV)
         try:
-            self.etcd = EtcdClient(host, port, cacert=cacert, cert=cert, key=key, user=user, password=password,
+            self.etcd = EtcdClient(endpoints, cacert=cacert, cert=cert, key=key, user=user, password=password,
                                     retry_timeout=retry_timeout, where="the --coordinator URL")
         except ValueError as e:
             raise UsageError(str(e)) from None
         self.prefix = prefix if prefix.endswith("/") else prefix + "/"
-        self.url = url or f"etcd://{host}:{port}{self.prefix.rstrip('/')}"
+        self.url = url or f"etcd://{','.join(f'{h}:{p}' for h, p in endpoints)}{self.prefix.rstrip('/')}"
         self.ttl = ttl
         self.on_lost = self._exit  # what the watchdog does when the lease is lost (tests replace it)
         self.rank = self.world_size = self.layers_total = None
@@ -145,7 +148,7 @@ class EtcdRecords(Records):
             retry = float(o.get("retry_timeout", DEFAULT_RETRY_TIMEOUT))
         except ValueError:
             raise UsageError("--coordinator: ttl and retry_timeout must be numbers of seconds") from None
-        return cls(p["host"], p["port"], p["prefix"], cacert=o.get("cacert"), cert=o.get("cert"), key=o.get("key"),
+        return cls(p["endpoints"], p["prefix"], cacert=o.get("cacert"), cert=o.get("cert"), key=o.get("key"),
                    user=o.get("user"), password=o.get("password"), ttl=ttl, retry_timeout=retry, url=redact(url))
 
     def __repr__(self):
