@@ -3,13 +3,24 @@
 Each node is a torchrun agent with its worker, in its own session (so a whole node can be killed,
 frozen or preempted). Faults: kill -9 a worker; kill a whole node; SIGSTOP then SIGCONT a node;
 SIGTERM a node (spot notice); add a node; corrupt or truncate a state file; with `--backend etcd3` and the
-harness's own etcd, kill -9 etcd and restart it on the same data after a pause. At the end it checks that
-every layer was committed at most once per epoch, that progress never went backwards, and that the
-checkpoint equals an uninterrupted run's (byte-identical when the world size never changed, else at
-least 99.9% of int codes and perplexity within 0.1%), then prints figures per fault kind.
+harness's own etcd, kill -9 etcd and restart it on the same data after a pause.
+
+With `--network`, every node, the rendezvous store (or, with `--backend etcd3`, each member of a three-member etcd
+cluster) and the S3 server holding the state are hosts of their own on a bridge (testing/netns.py: network
+namespaces, removed at the end), and the network fails too, each fault healed after a while: `partition` (a node
+cut off from everything), `partition_keep_store` (from its peers and the rendezvous, not from the object store:
+the split brain), `slow_link` (a node's link throttled), `lossy_link` (5 % of its packets dropped),
+`store_brownout` (the object store's link throttled), and with etcd `kill_leader` (the leading member killed and
+restarted) and `lose_quorum` (two members cut off for QUORUM_LOSS_S).
+
+At the end it checks that every layer was committed at most once per epoch, that progress never went backwards,
+that no commit counted was made after a newer epoch began, and that the checkpoint equals an uninterrupted run's
+(byte-identical when the world size never changed, else at least 99.9% of int codes and perplexity within 0.1%),
+then prints figures per fault kind.
 
     python launch/chaos.py --model DIR --nodes 2 --max-nodes 3 --faults 10 --seed 0 --report -- --num-samples 48
     python launch/chaos.py --model DIR --backend etcd3 --coordinator --kinds restart_etcd,kill_node,add_node ...
+    python launch/chaos.py --network --faults 12 --seed 1 --report   # a tiny model and job of its own
 
 With `--backend etcd3` and no `--endpoint`, it starts its own etcd on 127.0.0.1 (data in a temp dir, stopped by PID
 at the end); `--coordinator` (no URL: that etcd) keeps the job's epochs and commits in etcd too.
@@ -38,10 +49,14 @@ from elastic_oneshot.errors import CorruptStateError
 from elastic_oneshot.testing.netns import Fabric, NamespaceUnavailable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+QUORUM_LOSS_S = 20  # lose_quorum: seconds two of the three etcd members are cut off
+ETCD_RETRY_S = 40  # retry_timeout of etcd calls on --network: longer than QUORUM_LOSS_S plus an election
 KINDS = ("kill_worker", "kill_node", "stop_node", "term_node", "add_node", "corrupt_file", "restart_etcd")
-NETWORK_KINDS = ("partition", "partition_keep_store", "slow_link", "lossy_link", "store_brownout")
+NETWORK_KINDS = ("partition", "partition_keep_store", "slow_link", "lossy_link", "store_brownout", "kill_leader",
+                 "lose_quorum")
 CUTS = ("partition", "partition_keep_store")  # faults after which the survivors go on without the node
-STAYS = ("corrupt_file", "restart_etcd", "slow_link", "lossy_link", "store_brownout")  # membership unchanged
+STAYS = ("corrupt_file", "restart_etcd", "slow_link", "lossy_link", "store_brownout", "kill_leader",
+         "lose_quorum")  # faults that leave the membership as it is
 
 
 def free_port() -> int:
@@ -119,15 +134,17 @@ class Cluster:
         if object_store:
             self.state = self._start_object_store()
         if endpoint is None and backend == "etcd3":
-            from elastic_oneshot.testing.etcd_server import EtcdServer
+            from elastic_oneshot.testing.etcd_server import EtcdCluster, EtcdServer
 
-            self.etcd = EtcdServer().start()
+            self.etcd = EtcdCluster(network).start() if network else EtcdServer().start()
             endpoint = self.etcd.endpoint
         elif endpoint is None:
             endpoint = self._start_store()
         conf = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3,join_timeout=300"
         if backend == "c10d":
             conf = "is_host=false," + conf
+        elif network:  # the agents ride out a lost quorum for up to ETCD_RETRY_S, the workers' records too
+            conf += f",retry_timeout={ETCD_RETRY_S}"
         self.cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes=1:{max_nodes}",
                     "--nproc-per-node=1", "--max-restarts=1000", "--monitor-interval=0.2",
                     f"--rdzv-backend={backend}", f"--rdzv-endpoint={endpoint}", "--rdzv-id=chaos",
@@ -138,6 +155,7 @@ class Cluster:
             if backend != "etcd3":
                 raise SystemExit("--coordinator without a URL uses the rendezvous etcd: add --backend etcd3")
             coordinator = f"etcd://{endpoint}/elastic-oneshot-chaos/{int(time.time())}"
+            coordinator += f"?retry_timeout={ETCD_RETRY_S}" if network else ""
         if coordinator:
             self.cmd += ["--coordinator", coordinator]
         self.nodes: list[Node] = []
@@ -264,7 +282,10 @@ def inject(cluster: Cluster, kind: str, rng: random.Random, stop_s: float) -> st
 
 
 def network_fault(cluster: Cluster, kind: str, node: Node, hold_s: float) -> str:
-    """A network fault on `node`'s link (the object store's for store_brownout), healed after `hold_s`."""
+    """A network fault on `node`'s link (the object store's for store_brownout, etcd's for the last two), healed
+    after `hold_s`."""
+    if kind in ("kill_leader", "lose_quorum"):
+        return etcd_fault(cluster.etcd, kind, hold_s)
     host = cluster.store_host if kind == "store_brownout" else node.host
     if kind in CUTS:  # from the peers and the rendezvous; partition_keep_store still reaches the object store
         host.cut(keep=[cluster.store_host.address] if kind == "partition_keep_store" and cluster.store_host else [])
@@ -285,6 +306,31 @@ def network_fault(cluster: Cluster, kind: str, node: Node, hold_s: float) -> str
         node.stopped = False
     threading.Thread(target=heal, daemon=True).start()
     return "s3" if kind == "store_brownout" else node.name
+
+
+def etcd_fault(etcd, kind: str, hold_s: float) -> str:
+    """kill_leader: the leading member killed, back on its data after `hold_s`; lose_quorum: the leader and
+    another member cut off for QUORUM_LOSS_S (the third alone has no quorum)."""
+    leader = etcd.leader()
+    if kind == "kill_leader":
+        etcd.kill(leader)
+        cut = []
+    else:
+        cut = [etcd.hosts[leader], etcd.hosts[(leader + 1) % len(etcd.hosts)]]
+        for host in cut:
+            host.cut()
+
+    def heal():
+        time.sleep(QUORUM_LOSS_S if cut else hold_s)
+        try:
+            for host in cut:
+                host.heal()
+            if not cut:
+                etcd.start(leader)
+        except RuntimeError:
+            pass  # the network went with the harness
+    threading.Thread(target=heal, daemon=True).start()
+    return f"etcd member {leader}"
 
 
 def corrupt(state: str, rng: random.Random) -> str:
@@ -339,12 +385,14 @@ def feasible(cluster: Cluster, kinds) -> list[str]:
             continue
         if kind == "kill_worker" and n < 1:
             continue
-        if kind == "restart_etcd" and cluster.etcd is None:
-            continue  # only the etcd this harness started
+        if kind == "restart_etcd" and (cluster.etcd is None or hasattr(cluster.etcd, "leader")):
+            continue  # only the one-member etcd this harness started
         if kind in NETWORK_KINDS and (cluster.network is None or kind in CUTS and n < 2):
             continue
         if kind == "store_brownout" and cluster.store_host is None:
             continue
+        if kind in ("kill_leader", "lose_quorum") and not hasattr(cluster.etcd, "leader"):
+            continue  # a three-member cluster: --backend etcd3 --network
         ok.append(kind)
     return ok
 
@@ -373,6 +421,7 @@ def check_invariants(cluster: Cluster, corrupted_layers: set[int], reference: st
         if lost:
             failures.append(f"progress went backwards from epoch {a['epoch']} to {b['epoch']}: layers {sorted(lost)}")
     committed = records.committed()
+    failures += late_writes(store, records, committed)
     layers = store.job()["num_layers"]
     if sorted(committed) != list(range(layers)):
         failures.append(f"final state lacks layers {sorted(set(range(layers)) - set(committed))}")
@@ -384,6 +433,40 @@ def check_invariants(cluster: Cluster, corrupted_layers: set[int], reference: st
     elif same["codes"] < 0.999 or abs(same["ppl_ratio"] - 1) > 0.001:
         failures.append(f"checkpoint differs: {same['codes']:.4%} codes identical, perplexity x{same['ppl_ratio']:.5f}")
     return failures
+
+
+def late_writes(store: StateStore, records, committed: dict[int, int]) -> list[str]:
+    """A commit that counts must be older than the fence of the epoch after its own (else a worker of an older
+    epoch committed), and the weight files it names older than it (else something wrote into a committed
+    layer). Read from the files' modification times; etcd's commits are transactions on the epoch key, and carry
+    no time, so only the commits kept as files are checked."""
+    if records.url is not None:
+        return []
+    slack = 1.0 if is_url(store.root) else 0.0  # object stores keep whole seconds
+    when = modified_times(store)
+    failures = []
+    for layer, epoch in sorted(committed.items()):
+        commit = when.get(f"commits/{layer:05d}.e{epoch:05d}.json")
+        newer = when.get(f"epochs/{epoch + 1:05d}.json")
+        if commit is not None and newer is not None and commit > newer + slack:
+            failures.append(f"layer {layer} was committed in epoch {epoch} {commit - newer:.1f} s after epoch "
+                            f"{epoch + 1} began")
+        for record in records.manifest(layer, epoch)["weights"]:
+            written = when.get(record["path"])
+            if commit is not None and written is not None and written > commit + slack:
+                failures.append(f"{record['path']} was written {written - commit:.1f} s after layer {layer}'s "
+                                f"commit")
+    return failures
+
+
+def modified_times(store: StateStore) -> dict[str, float]:
+    """Every file's modification time (Unix seconds), by its path in the state."""
+    if not is_url(store.root):
+        return {os.path.relpath(os.path.join(d, f), store.root): os.stat(os.path.join(d, f)).st_mtime
+                for d, _, files in os.walk(store.root) for f in files}
+    import obstore
+
+    return {o["path"]: o["last_modified"].timestamp() for batch in obstore.list(store.storage.store) for o in batch}
 
 
 def digest(root: str) -> dict:
@@ -468,7 +551,7 @@ def reference_run(model: str, job_args: list[str], world: int, workdir: str) -> 
 
 def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="chaos test of elastic-oneshot on one machine")
-    p.add_argument("--model", help="the model to compress (default: a tiny random 32-layer Llama, made in the "
+    p.add_argument("--model", help="the model to compress (default: a tiny random 48-layer Llama, made in the "
                                     "workdir, with a job of a second or two per layer)")
     p.add_argument("--workdir", default="chaos-work")
     p.add_argument("--nodes", type=int, default=2)
@@ -505,9 +588,9 @@ def parse(argv=None) -> argparse.Namespace:
     if a.model is None:
         from elastic_oneshot.testing.tiny import make_model
 
-        a.model = make_model(os.path.join(a.workdir, "model"), "llama", num_hidden_layers=32, hidden_size=512,
+        a.model = make_model(os.path.join(a.workdir, "model"), "llama", num_hidden_layers=48, hidden_size=512,
                              intermediate_size=1024)
-        a.job = a.job or ["--num-samples", "64", "--seq-len", "256", "--group-size", "64", "--chunk-size", "8"]
+        a.job = a.job or ["--num-samples", "128", "--seq-len", "256", "--group-size", "64", "--chunk-size", "8"]
     return a
 
 

@@ -11,7 +11,7 @@ import pytest
 from elastic_oneshot.testing.netns import Fabric, NamespaceUnavailable
 from elastic_oneshot.testing.runs import tree_digest
 from elastic_oneshot.testing.tiny import make_model
-from launch.chaos import Cluster, check_invariants, inject, reference_run
+from launch.chaos import QUORUM_LOSS_S, Cluster, check_invariants, etcd_fault, figures, inject, reference_run
 
 JOB = ["--num-samples", 64, "--seq-len", 256, "--group-size", 64, "--chunk-size", 8]  # a few seconds per layer
 TIMEOUT = 10  # --collective-timeout
@@ -64,6 +64,10 @@ def finished_intact(cluster: Cluster, reference: str) -> list[dict]:
     return starts
 
 
+def first_commit_after(cluster: Cluster, at: float) -> float:
+    return min(e["time"] for e in cluster.events() if e["event"] == "commit" and e["time"] > at) - at
+
+
 @pytest.mark.parametrize("kind,object_store", [("partition", False), ("partition_keep_store", True),
                                                ("slow_link", False), ("lossy_link", False),
                                                ("store_brownout", True)])
@@ -76,6 +80,9 @@ def test_a_network_fault_on_two_nodes(kind, object_store, model, reference, fabr
     print(f"\n{kind} on {inject(cluster, kind, random.Random(0), stop_s=HOLD)} for {HOLD} s")
     assert cluster.wait_progress(after_epoch=epoch if kind.startswith("partition") else -1, after_time=at)
     starts = finished_intact(cluster, reference)
+    fault = figures([{"kind": kind, "time": at}], cluster.events())[0]
+    print(f"{kind}: a newer epoch after {fault['detect_s']} s, work after {fault['recovery_s']} s, "
+          f"layers lost {fault['lost_layers']}")
     if kind.startswith("partition"):  # the others went on without the node, which came back
         assert [e["world_size"] for e in starts][:2] == [2, 1]
 
@@ -104,3 +111,28 @@ def test_a_node_cut_off_but_reaching_the_store_is_fenced_off(object_store, model
     isolated.stopped = False
     starts = finished_intact(cluster, reference)
     assert {e["world_size"] for e in starts} == {1} and len(starts) >= 2
+
+
+@pytest.mark.etcd
+def test_a_three_member_etcd_loses_its_leader_then_its_quorum(model, reference, fabric, tmp_path, clusters):
+    """The rendezvous and the records in a three-member etcd cluster, each member a host of its own: the leader is
+    killed mid-layer (and comes back), then two members are cut off for QUORUM_LOSS_S; the clients go from member
+    to member, ride out the lost quorum within their retry budget, and the job finishes intact."""
+    cluster = clusters(str(tmp_path), model, JOB, max_nodes=2, backend="etcd3", coordinator="auto",
+                       collective_timeout=TIMEOUT, network=fabric)
+    cluster.add_node(), cluster.add_node()
+    cluster.wait_commits(2)
+    at = time.time()
+    print(f"\nkill_leader: {etcd_fault(cluster.etcd, 'kill_leader', hold_s=HOLD)}")
+    assert cluster.wait_progress(after_time=at)
+    print(f"first commit {first_commit_after(cluster, at):.1f} s after the leader was killed")
+    cluster.wait_commits(cluster.commits() + 1)
+    at = time.time()
+    print(f"lose_quorum: {etcd_fault(cluster.etcd, 'lose_quorum', hold_s=HOLD)} and another, for {QUORUM_LOSS_S} s")
+    assert not cluster.done()
+    assert cluster.wait_progress(after_time=at)
+    print(f"first commit {first_commit_after(cluster, at):.1f} s after the quorum was lost")
+    finished_intact(cluster, reference)
+    for node in cluster.nodes:  # no etcd call gave up while the quorum was lost (the agents' keep-alives too)
+        log = open(node.log.name).read()
+        assert "Traceback" not in log, log[log.index("Traceback"):][:3000]

@@ -9,6 +9,7 @@ Fails with a clear message when the `etcd` binary is missing (CI installs Debian
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -152,3 +153,83 @@ class EtcdServer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class EtcdCluster:
+    """`size` etcd members, each on a host of its own on `fabric` (netns.Fabric), for the faults where quorum
+    matters: a member killed and restarted (`kill`, `start`), members cut off (their hosts' `cut`, `heal`).
+
+        cluster = EtcdCluster(fabric).start()
+        cluster.endpoint                  # "A:2379,B:2379,C:2379", for --rdzv-endpoint and etcd:// URLs
+        cluster.kill(cluster.leader())
+    """
+
+    def __init__(self, fabric, size: int = 3):
+        self.binary = shutil.which("etcd")
+        if self.binary is None:
+            raise RuntimeError("etcd is not installed: apt-get install -y etcd-server (CI's .ci/run does this)")
+        self._tmp = tempfile.mkdtemp(prefix="etcd-cluster-")
+        self.hosts = [fabric.host(f"etcd{i}") for i in range(size)]
+        self.procs: list[subprocess.Popen | None] = [None] * size
+        self.initial = ",".join(f"m{i}=http://{h.address}:2380" for i, h in enumerate(self.hosts))
+
+    @property
+    def endpoint(self) -> str:
+        return ",".join(f"{h.address}:2379" for h in self.hosts)
+
+    def start(self, member: int | None = None, timeout: float = 30.0) -> EtcdCluster:
+        """Every member (or one: back on its data), then wait until each one that runs answers healthy."""
+        for i in range(len(self.hosts)) if member is None else [member]:
+            host, data = self.hosts[i], os.path.join(self._tmp, f"m{i}")
+            client, peer = f"http://{host.address}:2379", f"http://{host.address}:2380"
+            cmd = [self.binary, "--name", f"m{i}", "--data-dir", data, "--listen-client-urls", client,
+                   "--advertise-client-urls", client, "--listen-peer-urls", peer,
+                   "--initial-advertise-peer-urls", peer, "--initial-cluster", self.initial,
+                   "--initial-cluster-state", "new"]
+            with open(os.path.join(self._tmp, f"m{i}.log"), "ab") as log:
+                self.procs[i] = host.popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        for i, proc in enumerate(self.procs):
+            while proc is not None and not self._healthy(i):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"etcd member m{i} did not become healthy; see {self._tmp}/m{i}.log")
+                time.sleep(0.1)
+        return self
+
+    def _status(self, i: int) -> dict | None:
+        try:
+            request = urllib.request.Request(f"http://{self.hosts[i].address}:2379/v3/maintenance/status",
+                                             data=b"{}", method="POST")
+            with urllib.request.urlopen(request, timeout=1) as r:
+                return json.loads(r.read())
+        except OSError:
+            return None
+
+    def _healthy(self, i: int) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.hosts[i].address}:2379/health", timeout=1) as r:
+                return b'"true"' in r.read()
+        except OSError:
+            return False
+
+    def leader(self) -> int:
+        """The member that leads now (waits for an election, up to 10 s)."""
+        for _ in range(100):
+            for i in range(len(self.hosts)):
+                status = self._status(i) if self.procs[i] is not None else None
+                if status and status.get("leader") and status["leader"] == status["header"]["member_id"]:
+                    return i
+            time.sleep(0.1)
+        raise RuntimeError("the etcd cluster has no leader")
+
+    def kill(self, i: int):
+        """SIGKILL member `i`: a crash; its data stays for start(i)."""
+        if self.procs[i] is not None:
+            self.procs[i].kill()
+            self.procs[i].wait()
+            self.procs[i] = None
+
+    def close(self):
+        for i in range(len(self.hosts)):
+            self.kill(i)
+        shutil.rmtree(self._tmp, ignore_errors=True)
