@@ -9,10 +9,13 @@ import sys
 import time
 
 import pytest
+import torch
 
+from elastic_oneshot.durability.records import FileRecords
+from elastic_oneshot.durability.state import StateStore
 from elastic_oneshot.testing.runs import one_thread_env, run_cli, same_codes, tree_digest
 from elastic_oneshot.testing.tiny import make_model
-from launch.chaos import Cluster
+from launch.chaos import Cluster, late_writes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -145,6 +148,23 @@ def test_a_stale_worker_cannot_commit(model, tmp_path):
                if k != "events.jsonl" and not k.endswith(own) and after[0].get(k) != v]
     assert not changed, f"the stale worker changed or deleted {changed}"
     assert after[1] == before[1]
+
+
+def test_the_chaos_invariants_see_a_late_commit_and_a_late_write(tmp_path):
+    state = StateStore(tmp_path / "state")
+    records = FileRecords(state)
+    records.begin_epoch({})
+    weights = state.write_tensors("layers/00000/e00001.r0.b0000.safetensors", {"w": torch.zeros(2)})
+    records.commit(0, 1, {"weights": [weights]})
+    records.begin_epoch({0: 1})
+    assert late_writes(state, records, records.committed()) == []
+    later = time.time() + 5
+    os.utime(state.root + "/layers/00000/e00001.r0.b0000.safetensors", (later, later))
+    assert late_writes(state, records, records.committed())[0].startswith(
+        "layers/00000/e00001.r0.b0000.safetensors was written 5")
+    os.utime(state.root + "/commits/00000.e00001.json", (later + 1, later + 1))
+    assert late_writes(state, records, records.committed())[0].startswith(
+        "layer 0 was committed in epoch 1 6")
 
 
 @pytest.mark.slow
