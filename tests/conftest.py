@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from elastic_oneshot.testing.tiny import make_model
+from launch.chaos import Cluster
 
 
 @pytest.fixture(scope="session")
@@ -21,3 +22,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def clusters():
+    """Clusters made in a test, closed (every node and the store killed) whatever happens."""
+    made = []
+
+    def make(*args, **kwargs):
+        made.append(Cluster(*args, **kwargs))
+        return made[-1]
+    yield make
+    for cluster in made:
+        cluster.close()

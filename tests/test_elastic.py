@@ -35,19 +35,6 @@ def reference(model, tmp_path_factory):
     return out
 
 
-@pytest.fixture
-def clusters():
-    """Clusters made in a test, closed (every node and the store killed) whatever happens."""
-    made = []
-
-    def make(*args, **kwargs):
-        made.append(Cluster(*args, **kwargs))
-        return made[-1]
-    yield make
-    for cluster in made:
-        cluster.close()
-
-
 def worlds(cluster: Cluster) -> list[int]:
     return [e["world_size"] for e in cluster.events() if e["event"] == "start"]
 

@@ -44,18 +44,6 @@ def reference(model, tmp_path_factory):
     return reference_run(model, JOB, 1, str(tmp_path_factory.mktemp("reference")))
 
 
-@pytest.fixture
-def clusters():
-    made = []
-
-    def make(*args, **kwargs):
-        made.append(Cluster(*args, **kwargs))
-        return made[-1]
-    yield make
-    for cluster in made:
-        cluster.close()
-
-
 def finished_intact(cluster: Cluster, reference: str) -> list[dict]:
     """Waits for the end; asserts every invariant and the uninterrupted run's bits; the epochs begun."""
     assert cluster.wait_done(timeout=400), "the job did not finish"

@@ -32,6 +32,15 @@ def _tc(*args: str, namespace: str | None = None):
         raise NamespaceUnavailable(f"{' '.join(cmd)}: {done.stderr.strip()}")
 
 
+def _remove(link: str | None, namespaces: list[str | None]):
+    """Delete our veth `link` (with its peer) and our `namespaces` (with what is in them), whatever exists."""
+    if link is not None:
+        subprocess.run(["ip", "link", "del", link], capture_output=True)
+    for name in namespaces:
+        if name is not None:
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
 def _free_subnet(prefix: str = "10.201") -> int:
     """N such that no interface here has an address in PREFIX.N.0/24."""
     used = subprocess.run(["ip", "-o", "-4", "addr"], capture_output=True, text=True).stdout
@@ -75,12 +84,8 @@ class Namespace:
         return subprocess.Popen(["ip", "netns", "exec", self.name, *cmd], **kwargs)
 
     def __exit__(self, *exc):
-        if self._link is not None:  # gone with the namespace if its peer was moved there
-            subprocess.run(["ip", "link", "del", self._link], capture_output=True)
-            self._link = None
-        if self.name is not None:
-            subprocess.run(["ip", "netns", "del", self.name], capture_output=True)
-            self.name = None
+        _remove(self._link, [self.name])  # the link first: gone with the namespace only once its peer was moved
+        self._link = self.name = None
 
 
 class Fabric:
@@ -134,15 +139,8 @@ class Fabric:
         return host
 
     def __exit__(self, *exc):
-        for host in self.hosts.values():
-            subprocess.run(["ip", "netns", "del", host.namespace], capture_output=True)
-        self.hosts = {}
-        if self._link is not None:
-            subprocess.run(["ip", "link", "del", self._link], capture_output=True)
-            self._link = None
-        if self.hub is not None:
-            subprocess.run(["ip", "netns", "del", self.hub], capture_output=True)
-            self.hub = None
+        _remove(self._link, [h.namespace for h in self.hosts.values()] + [self.hub])
+        self.hosts, self._link, self.hub = {}, None, None
 
 
 class Host:
