@@ -51,3 +51,17 @@ def test_sharing_the_wide_inverse_beats_the_peers_packing():
     assert ours > 1.5 * peer
     assert {s.kind for s in make_plan(LLAMA_3_8B, 4).steps} >= {StepKind.WHOLE, StepKind.PANEL, StepKind.UPDATE,
                                                                 StepKind.INVERT, StepKind.SOLVE}
+
+
+def test_the_plan_of_identical_layers_is_printed_once(tmp_path):
+    """`elastic-oneshot plan` on a config alone (Llama-3-8B's shapes, 32 layers): one plan for layers 0-31."""
+    import transformers
+
+    from elastic_oneshot.surface.api import plan
+
+    transformers.LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                             num_key_value_heads=8, vocab_size=128256).save_pretrained(tmp_path)
+    lines = plan(str(tmp_path / "config.json"), 4)
+    print("\n" + "\n".join(lines))
+    assert "AMD EPYC" in lines[0] and lines[1] == "layers 0-31:" and len(lines) == 2 + 4 + 1
+    assert not any(line.startswith("layer ") for line in lines)

@@ -194,16 +194,24 @@ def _restore_tokens(state: StateStore, job: Job):
 
 
 def plan(model: str, world_size: int, recipe: Recipe | None = None, layers: int | None = None) -> list[str]:
-    """The weight-parallel GPTQ plan of every layer, as text; needs only the model's config.json."""
+    """The weight-parallel GPTQ plan of every layer, as text, consecutive layers with the same plan once; needs
+    only the model's config.json."""
     recipe = recipe or Recipe()
     source = SourceModel(model)
     names = list(recipe.module_schemes(source.skeleton, source.family))
     lines = [f"{source.config.model_type}: {source.num_layers} layers, {len(names)} GPTQ modules, world size "
-             f"{world_size}; modeled seconds per rank (one CPU thread each)"]
+             f"{world_size}; seconds per rank as modeled for one CPU thread of an AMD EPYC (plan.py, CostModel)"]
+    runs: list[tuple[int, int, list[str]]] = []  # (first layer, last layer, their plan)
     for index in range(source.num_layers if layers is None else min(layers, source.num_layers)):
         prefix = f"{source.layer_prefix}{index}."
         local = [n[len(prefix):] for n in names if n.startswith(prefix)]
-        p = make_plan(layer_groups(source.layers[index], local, source.family.shared_inputs), world_size)
-        lines.append(f"layer {index}:")
-        lines.extend(describe(p))
+        described = describe(make_plan(layer_groups(source.layers[index], local, source.family.shared_inputs),
+                                       world_size))
+        if runs and runs[-1][2] == described:
+            runs[-1] = (runs[-1][0], index, described)
+        else:
+            runs.append((index, index, described))
+    for first, last, described in runs:
+        lines.append(f"layer {first}:" if first == last else f"layers {first}-{last}:")
+        lines.extend(described)
     return lines
