@@ -130,6 +130,7 @@ def test_a_three_member_etcd_loses_its_leader_then_its_quorum(model, reference, 
         assert "Traceback" not in log, log[log.index("Traceback"):][:3000]
 
 
+@pytest.mark.usefixtures("fabric")  # skipped where namespaces cannot be made
 def test_a_short_campaign(model, tmp_path):
     """What CI runs of the campaign (the issue's, with 12 faults on a 48-layer model, takes minutes: the note has
     its table): three faults of a seeded schedule on the 16-layer model."""

@@ -119,6 +119,7 @@ class Fabric:
             _ip("link", "set", "gw", "master", "br0", "up", namespace=self.hub)
             _ip("addr", "add", f"{self.gateway}/24", "dev", gateway_link)
             _ip("link", "set", gateway_link, "up")
+            Host(self.hub, self.gateway)._run("iptables", "-S")  # a kernel without netfilter says so here
         except BaseException:
             self.__exit__()
             raise
