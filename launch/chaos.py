@@ -257,12 +257,7 @@ def inject(cluster: Cluster, kind: str, rng: random.Random, stop_s: float) -> st
     if kind == "stop_node":
         node.signal_all(signal.SIGSTOP)
         node.stopped = True
-
-        def resume():
-            time.sleep(stop_s)
-            node.signal_all(signal.SIGCONT)
-            node.stopped = False
-        threading.Thread(target=resume, daemon=True).start()
+        later(stop_s, lambda: node.signal_all(signal.SIGCONT), node)
         return node.name
     if kind == "term_node":
         node.signal_all(signal.SIGTERM)
@@ -296,15 +291,7 @@ def network_fault(cluster: Cluster, kind: str, node: Node, hold_s: float) -> str
         host.lose(0.05)
     else:
         host.throttle(mbit=2, latency_ms=2000)
-
-    def heal():
-        time.sleep(hold_s)
-        try:
-            host.heal()
-        except RuntimeError:
-            pass  # the network went with the harness
-        node.stopped = False
-    threading.Thread(target=heal, daemon=True).start()
+    later(hold_s, host.heal, node)
     return "s3" if kind == "store_brownout" else node.name
 
 
@@ -314,23 +301,26 @@ def etcd_fault(etcd, kind: str, hold_s: float) -> str:
     leader = etcd.leader()
     if kind == "kill_leader":
         etcd.kill(leader)
-        cut = []
+        later(hold_s, lambda: etcd.start(leader))
     else:
         cut = [etcd.hosts[leader], etcd.hosts[(leader + 1) % len(etcd.hosts)]]
         for host in cut:
             host.cut()
-
-    def heal():
-        time.sleep(QUORUM_LOSS_S if cut else hold_s)
-        try:
-            for host in cut:
-                host.heal()
-            if not cut:
-                etcd.start(leader)
-        except RuntimeError:
-            pass  # the network went with the harness
-    threading.Thread(target=heal, daemon=True).start()
+        later(QUORUM_LOSS_S, lambda: [host.heal() for host in cut])
     return f"etcd member {leader}"
+
+
+def later(seconds: float, undo, node: Node | None = None):
+    """`undo` a fault after `seconds`, in a thread; then `node` counts as working again."""
+    def run():
+        time.sleep(seconds)
+        try:
+            undo()
+        except RuntimeError:
+            pass  # the network or etcd went with the harness
+        if node is not None:
+            node.stopped = False
+    threading.Thread(target=run, daemon=True).start()
 
 
 def corrupt(state: str, rng: random.Random) -> str:

@@ -57,6 +57,15 @@ def make_tls(directory, name: str = "ca") -> TLSFiles:
     return TLSFiles(p["ca.pem"], p["server.pem"], p["server.key"], p["client.pem"], p["client.key"])
 
 
+def _healthy(url: str, ctx: ssl.SSLContext | None = None) -> bool:
+    """Whether the etcd member at `url` answers that it is healthy."""
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=1, context=ctx) as r:
+            return b'"true"' in r.read()
+    except OSError:
+        return False
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -108,12 +117,8 @@ class EtcdServer:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"etcd exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=1, context=ctx) as r:
-                    if b'"true"' in r.read():
-                        return
-            except OSError:
-                pass
+            if _healthy(self.url, ctx):
+                return
             time.sleep(0.1)
         self.kill()
         raise RuntimeError(f"etcd did not become healthy in {timeout:.0f}s:\n{self.log_tail()}")
@@ -190,7 +195,7 @@ class EtcdCluster:
                 self.procs[i] = host.popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout
         for i, proc in enumerate(self.procs):
-            while proc is not None and not self._healthy(i):
+            while proc is not None and not _healthy(f"http://{self.hosts[i].address}:2379"):
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"etcd member m{i} did not become healthy; see {self._tmp}/m{i}.log")
                 time.sleep(0.1)
@@ -204,13 +209,6 @@ class EtcdCluster:
                 return json.loads(r.read())
         except OSError:
             return None
-
-    def _healthy(self, i: int) -> bool:
-        try:
-            with urllib.request.urlopen(f"http://{self.hosts[i].address}:2379/health", timeout=1) as r:
-                return b'"true"' in r.read()
-        except OSError:
-            return False
 
     def leader(self) -> int:
         """The member that leads now (waits for an election, up to 10 s)."""

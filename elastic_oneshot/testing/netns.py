@@ -18,15 +18,9 @@ class NamespaceUnavailable(RuntimeError):
     """This machine cannot create network namespaces."""
 
 
-def _ip(*args: str, namespace: str | None = None):
-    cmd = ["ip", *(["netns", "exec", namespace, "ip"] if namespace else []), *args]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode:
-        raise NamespaceUnavailable(f"{' '.join(cmd)}: {done.stderr.strip()}")
-
-
-def _tc(*args: str, namespace: str | None = None):
-    cmd = [*(["ip", "netns", "exec", namespace] if namespace else []), "tc", *args]
+def _run(*cmd: str, namespace: str | None = None):
+    """`cmd` (ip, tc, iptables), inside `namespace` if given; NamespaceUnavailable with its error if it fails."""
+    cmd = (*(["ip", "netns", "exec", namespace] if namespace else []), *cmd)
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode:
         raise NamespaceUnavailable(f"{' '.join(cmd)}: {done.stderr.strip()}")
@@ -61,19 +55,19 @@ class Namespace:
         self.name, here, there = f"eo-{os.getpid()}-{n}", f"eoh{n}", f"eon{n}"
         self.host, self.address = f"10.201.{n}.1", f"10.201.{n}.2"
         try:
-            _ip("netns", "add", self.name)
-            _ip("link", "add", here, "type", "veth", "peer", "name", there)
+            _run("ip", "netns", "add", self.name)
+            _run("ip", "link", "add", here, "type", "veth", "peer", "name", there)
             self._link = here
-            _ip("link", "set", there, "netns", self.name)
-            _ip("addr", "add", f"{self.host}/30", "dev", here)
-            _ip("link", "set", here, "up")
-            _ip("addr", "add", f"{self.address}/30", "dev", there, namespace=self.name)
-            _ip("link", "set", there, "up", namespace=self.name)
-            _ip("link", "set", "lo", "up", namespace=self.name)
+            _run("ip", "link", "set", there, "netns", self.name)
+            _run("ip", "addr", "add", f"{self.host}/30", "dev", here)
+            _run("ip", "link", "set", here, "up")
+            _run("ip", "addr", "add", f"{self.address}/30", "dev", there, namespace=self.name)
+            _run("ip", "link", "set", there, "up", namespace=self.name)
+            _run("ip", "link", "set", "lo", "up", namespace=self.name)
             if self.mbit:
                 shape = ["root", "tbf", "rate", f"{self.mbit}mbit", "burst", "32kb", "latency", "100ms"]
-                _tc("qdisc", "add", "dev", here, *shape)
-                _tc("qdisc", "add", "dev", there, *shape, namespace=self.name)
+                _run("tc", "qdisc", "add", "dev", here, *shape)
+                _run("tc", "qdisc", "add", "dev", there, *shape, namespace=self.name)
         except BaseException:
             self.__exit__()
             raise
@@ -111,15 +105,15 @@ class Fabric:
         self.subnet, self.hub, gateway_link = f"10.202.{n}", f"eo-{os.getpid()}-{n}-hub", f"eob{n}"
         self.gateway = f"{self.subnet}.254"
         try:
-            _ip("netns", "add", self.hub)
-            _ip("link", "add", "br0", "type", "bridge", namespace=self.hub)
-            _ip("link", "set", "br0", "up", namespace=self.hub)
-            _ip("link", "add", gateway_link, "type", "veth", "peer", "name", "gw", "netns", self.hub)
+            _run("ip", "netns", "add", self.hub)
+            _run("ip", "link", "add", "br0", "type", "bridge", namespace=self.hub)
+            _run("ip", "link", "set", "br0", "up", namespace=self.hub)
+            _run("ip", "link", "add", gateway_link, "type", "veth", "peer", "name", "gw", "netns", self.hub)
             self._link = gateway_link
-            _ip("link", "set", "gw", "master", "br0", "up", namespace=self.hub)
-            _ip("addr", "add", f"{self.gateway}/24", "dev", gateway_link)
-            _ip("link", "set", gateway_link, "up")
-            Host(self.hub, self.gateway)._run("iptables", "-S")  # a kernel without netfilter says so here
+            _run("ip", "link", "set", "gw", "master", "br0", "up", namespace=self.hub)
+            _run("ip", "addr", "add", f"{self.gateway}/24", "dev", gateway_link)
+            _run("ip", "link", "set", gateway_link, "up")
+            _run("iptables", "-S", namespace=self.hub)  # a kernel without netfilter says so here
         except BaseException:
             self.__exit__()
             raise
@@ -130,13 +124,13 @@ class Fabric:
         index = len(self.hosts) + 1
         host = Host(f"eo-{os.getpid()}-{self.n}-{name}", f"{self.subnet}.{index}")
         self.hosts[name] = host
-        _ip("netns", "add", host.namespace)
-        _ip("link", "add", f"p{index}", "type", "veth", "peer", "name", "eth0", "netns", host.namespace,
+        _run("ip", "netns", "add", host.namespace)
+        _run("ip", "link", "add", f"p{index}", "type", "veth", "peer", "name", "eth0", "netns", host.namespace,
             namespace=self.hub)
-        _ip("link", "set", f"p{index}", "master", "br0", "up", namespace=self.hub)
-        _ip("addr", "add", f"{host.address}/24", "dev", "eth0", namespace=host.namespace)
-        _ip("link", "set", "eth0", "up", namespace=host.namespace)
-        _ip("link", "set", "lo", "up", namespace=host.namespace)
+        _run("ip", "link", "set", f"p{index}", "master", "br0", "up", namespace=self.hub)
+        _run("ip", "addr", "add", f"{host.address}/24", "dev", "eth0", namespace=host.namespace)
+        _run("ip", "link", "set", "eth0", "up", namespace=host.namespace)
+        _run("ip", "link", "set", "lo", "up", namespace=host.namespace)
         return host
 
     def __exit__(self, *exc):
@@ -155,9 +149,7 @@ class Host:
         return subprocess.Popen(["ip", "netns", "exec", self.namespace, *cmd], **kwargs)
 
     def _run(self, *cmd: str):
-        done = subprocess.run(["ip", "netns", "exec", self.namespace, *cmd], capture_output=True, text=True)
-        if done.returncode:
-            raise NamespaceUnavailable(f"{' '.join(cmd)} on {self.namespace}: {done.stderr.strip()}")
+        _run(*cmd, namespace=self.namespace)
 
     def cut(self, keep: list[str] = ()):
         """A partition: every packet to or from another host dropped, but those of the addresses in `keep`."""
