@@ -8,6 +8,10 @@ import torch
 from elastic_oneshot.testing.tiny import make_model
 from launch.chaos import Cluster
 
+# etcd3's generated code loads only with protobuf's pure-Python runtime, chosen at protobuf's first import: set it
+# before any test module imports etcd3 (as elastic_oneshot.distributed.etcd_client does for the product).
+os.environ.setdefault("PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION", "python")
+
 
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory):

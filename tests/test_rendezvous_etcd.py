@@ -11,7 +11,7 @@ import threading
 import time
 from datetime import timedelta
 
-import etcd3  # noqa: I100  (after etcd_v3, which sets up protobuf for it)
+import etcd3  # protobuf set up for it by conftest.py
 import etcd3.etcdrpc as etcdrpc
 import grpc
 import pytest
