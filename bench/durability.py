@@ -16,8 +16,9 @@ wall, the seconds the layer loop spent computing and those it waited for storage
 for its own files and for a boundary write to hand over) and their share of wall, bytes written per layer, and
 the CPU seconds the server spent (on this machine it takes them from the run's two cores; on a fleet the store
 is elsewhere); then, for `auto`, a run killed with SIGKILL after --kill-after commits and restarted: the seconds
-from the restart to its first new commit and how they split (to the epoch, verification included; reading the
-boundary; the replay; the layers until the commit, two with commits written behind).
+from the restart to its first new commit and how they split (to the epoch, verification included; the replay,
+and how long of it waited for the boundary, which is read ahead from the epoch's start; the layer until the
+commit: an epoch's first layer is committed at once).
 """
 
 import argparse
@@ -106,19 +107,13 @@ def loop(state: str) -> dict:
 def restart_split(log: str, r: dict) -> str:
     """How a restart's time to its first new commit splits, from its events and log lines."""
     text = open(log).read()
-
-    def seconds(pattern: str) -> float:
-        found = re.search(pattern, text)
-        return float(found.group(1)) if found else 0.0
-
-    read = seconds(r"\(inputs of layer \d+ read in ([\d.]+) s\)")
-    replayed = seconds(r"replayed layers \d+\.\.\d+ in ([\d.]+) s")
-    verify = seconds(r"committed layers verified in ([\d.]+) s")
-    span = re.search(r"replaying layers (\d+\.\.\d+)", text)
+    found = re.search(r"replayed layers (\d+\.\.\d+) for \d+ chunks in ([\d.]+) s \(([\d.]+) s of it waiting", text)
+    span, replayed, waited = (found.group(1), float(found.group(2)), float(found.group(3))) if found else ("none", 0, 0)
+    verify = float((re.search(r"committed layers verified in ([\d.]+) s", text) or [0, 0])[1])
     return (f"{r['first_commit'] - r['launched']:.1f} s: to the epoch {r['started'] - r['launched']:.2f} s "
-            f"(verification {verify:.2f} s), inputs read {read:.2f} s, "
-            f"replay of layers {span.group(1) if span else 'none'} {replayed - read:.2f} s, the layers until the "
-            f"commit {r['first_commit'] - r['started'] - replayed:.2f} s")
+            f"(verification {verify:.2f} s), replay of layers {span} {replayed:.2f} s ({waited:.2f} s of it waiting "
+            f"for the boundary, read ahead from the epoch's start), the layer until the commit "
+            f"{r['first_commit'] - r['started'] - replayed:.2f} s")
 
 
 def tree_digest(root: str) -> dict:

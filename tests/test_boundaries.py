@@ -149,8 +149,8 @@ def test_killed_after_some_commits_replays_from_the_newest_durable_boundary(ever
     assert set(kept) <= set(durable[-3:]), (kept, durable)  # two kept, one more if killed before its pruning
     resumed = run_cli(*args, env=one_thread_env()).stderr
     start = durable[-1]
-    replayed = re.findall(r"replaying layers \d+\.\.\d+", resumed)
-    assert replayed == ([f"replaying layers {start}..{committed - 1}"] if start < committed else []), durable
+    replayed = re.findall(r"replayed layers \d+\.\.\d+", resumed)
+    assert replayed == ([f"replayed layers {start}..{committed - 1}"] if start < committed else []), durable
 
 
 JOB = ["--num-samples", 16, "--seq-len", 64, "--group-size", 64, "--chunk-size", 4, "--boundary-every", 1]

@@ -99,7 +99,7 @@ def test_damaged_files_are_redone_or_replayed_around(deep_llama, reference, tmp_
     text = caplog.text
     assert "boundary 6: boundaries/00006/e00001/chunk-00002.safetensors has 100 bytes" in text
     assert text.count("boundary 6: ") == 1
-    assert "replaying layers 3..6 for 6 chunks" in text
+    assert "replayed layers 3..6 for 6 chunks" in text
     assert re.findall(r"layer (\d+/\d+) committed", text) == ["8/8"]
     assert tree_digest(out) == reference
 
@@ -118,7 +118,7 @@ def test_damaged_files_are_redone_or_replayed_around(deep_llama, reference, tmp_
     assert "layer 5 will be redone: commits/00005.e00001.json is not a readable record" in text
     assert re.findall(r"layer (\d+/\d+) committed", text) == ["6/8", "3/8"]
     assert "layer 2: 3 of 4 groups were solved before this restart; solving the other 1" in text
-    assert "replaying layers 0..1 for 6 chunks" in text
+    assert "replayed layers 0..1 for 6 chunks" in text
     assert tree_digest(out) == reference
 
 
@@ -153,7 +153,8 @@ def test_a_record_damaged_before_its_commit_is_redone(part, deep_llama, referenc
 
 def test_commits_land_in_layer_order_while_the_next_layer_computes(deep_llama, reference, tmp_path, monkeypatch):
     """Commits are written behind: layer 3 computes while layer 2's files upload, and when layer 2's upload is
-    the slowest of the run, layer 3's commit still waits for layer 2's."""
+    the slowest of the run, layer 3's commit still waits for layer 2's. The epoch's first layer is committed at
+    once, so that a restart's work is exposed for one layer only."""
     write_solved, state = CommitProtocol.write_solved, str(tmp_path / "state")
 
     def slow_layer_2(self, layer, epoch, name, groups, tensors):
@@ -168,6 +169,8 @@ def test_commits_land_in_layer_order_while_the_next_layer_computes(deep_llama, r
     assert commits == list(range(8))
     order = [(e["event"], e["layer"]) for e in events]
     assert order.index(("layer", 3)) < order.index(("commit", 2)) < order.index(("commit", 3))
+    first = [order.index(step) for step in (("commit", 0), ("layer", 1), ("layer", 2), ("commit", 1))]
+    assert first == sorted(first)
     assert [e["seconds"]["commit"] > 0.5 for e in events if e["event"] == "commit"] == [i == 2 for i in range(8)]
     assert tree_digest(str(tmp_path / "out")) == reference
 
@@ -183,7 +186,7 @@ def test_layers_redone_apart_replay_through_the_one_committed_first(deep_llama, 
     with caplog.at_level(logging.INFO, logger="elastic_oneshot"):
         oneshot(model=deep_llama, output_dir=out, state_dir=state, boundary_every=0, **JOB)
     assert re.findall(r"layer (\d+/\d+) committed", caplog.text) == ["3/8", "6/8"]
-    assert "replaying layers 0..4 for 6 chunks" in caplog.text
+    assert "replayed layers 0..4 for 6 chunks" in caplog.text
     assert tree_digest(out) == reference
 
 

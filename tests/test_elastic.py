@@ -59,7 +59,7 @@ def test_two_nodes_one_killed_finishes_at_one(model, reference, tmp_path, cluste
     assert worlds(cluster)[0] == 2 and worlds(cluster)[-1] == 1
     survivor = next(n for n in nodes if n is not victim)
     with open(survivor.log.name) as f:
-        replays = re.findall(r"replaying layers (\d+)\.\.(\d+) for (\d+) chunks", f.read())
+        replays = re.findall(r"replayed layers (\d+)\.\.(\d+) for (\d+) chunks", f.read())
     print(f"replays after the loss: {replays}")
     assert replays and int(replays[-1][0]) >= 3 and replays[-1][2] == "6"  # all 6 chunks, from a boundary
     assert tree_digest(cluster.output) == tree_digest(reference)

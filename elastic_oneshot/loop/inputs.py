@@ -12,6 +12,7 @@ import logging
 import os
 import time
 import traceback
+from concurrent.futures import Executor, Future
 
 import torch
 
@@ -52,6 +53,7 @@ class LayerInputs:
         self._held_layer: int | None = None
         self._held: dict[int, torch.Tensor] = {}
         self._damaged: set[int] = set()  # boundaries found damaged
+        self._fetching: tuple[int, dict[int, Future]] | None = None  # a boundary's chunks being read ahead
 
     @classmethod
     def tried(cls, state: StateStore, source: SourceModel, *args) -> "LayerInputs":
@@ -100,6 +102,17 @@ class LayerInputs:
         """This rank's chunks' inputs to `layer` (host tensors, see `to_host`), for the next `each(layer)`."""
         self._held_layer, self._held = layer, inputs
 
+    def prefetch(self, layer: int, io: Executor):
+        """Start reading, on `io`, this rank's chunks of the boundary that inputs of `layer` will be restored
+        from, so that the download overlaps the epoch's setup and the replay of the first chunks."""
+        self._fetching = None
+        if self._held_layer == layer:
+            return
+        for boundary, records in self.protocol.durable(layer):
+            if boundary not in self._damaged:
+                self._fetching = (boundary, {c: io.submit(self.state.read_tensors, records[str(c)]) for c in self.own})
+                return
+
     def to_host(self, x: torch.Tensor) -> torch.Tensor:
         """`x` in host memory: pinned when it comes from a GPU, so that it goes back at full speed."""
         if x.device.type == "cpu":
@@ -118,26 +131,57 @@ class LayerInputs:
 
     def _restore(self, layer: int):
         """Inputs to `layer` from storage: the newest durable boundary at or below it that reads back intact,
-        else the embeddings, then forward through the committed layers in between."""
-        began, start, held = time.perf_counter(), 0, None
-        for boundary, records in self.protocol.durable(layer):
-            if boundary in self._damaged:
+        else the embeddings, then forward through the committed layers in between. The boundary's chunks are
+        taken as they arrive (`prefetch`): the first replayed layer runs on those already there."""
+        began, held, waited = time.perf_counter(), None, [0.0]
+        fetching, self._fetching = self._fetching, None
+        for start, records in self.protocol.durable(layer):
+            if start in self._damaged:
                 continue
+            if fetching is None or fetching[0] != start:  # nothing read ahead: each is read when it is used
+                fetching = (start, {c: functools.partial(self.state.read_tensors, records[str(c)]) for c in self.own})
+            else:
+                fetching = (start, {c: f.result for c, f in fetching[1].items()})
             try:
-                held = {c: self.state.read_tensors(records[str(c)])["hidden_states"] for c in self.own}
-                start = boundary
+                held = self._replay(start, layer, {c: _arrival(get, waited) for c, get in fetching[1].items()})
                 break
-            except CorruptStateError as e:
-                self._damaged.add(boundary)  # said once; every later restore skips it
-                log.warning("boundary %d: %s; replaying from an older one", boundary, e)
+            except _Damaged as e:
+                self._damaged.add(start)  # said once; every later restore skips it
+                log.warning("boundary %d: %s; replaying from an older one", start, e)
+                fetching = None
         if held is None:
-            held = {c: self.embedder(self.tokens[slice(*self.chunks[c])]) for c in self.own}
+            start = 0
+            held = self._replay(0, layer, {c: functools.partial(self.embedder, self.tokens[slice(*self.chunks[c])])
+                                           for c in self.own})
         if start < layer:
-            log.info("replaying layers %d..%d for %d chunks (inputs of layer %d read in %.1f s)", start, layer - 1,
-                     len(self.own), start, time.perf_counter() - began)
+            log.info("replayed layers %d..%d for %d chunks in %.1f s (%.1f s of it waiting for the inputs of "
+                     "layer %d)", start, layer - 1, len(self.own), time.perf_counter() - began, waited[0], start)
+        self.keep(layer, held)
+
+    def _replay(self, start: int, layer: int, held: dict) -> dict[int, torch.Tensor]:
+        """The inputs of `layer` from those of `start`, given as a callable per chunk (that may wait for them)."""
+        if start == layer:
+            return {c: x() for c, x in held.items()}
         for index in range(start, layer):
             module = self.quantized_layer(index)
-            held = {c: self.to_host(self.forward(module, index, x.to(self.device))) for c, x in held.items()}
-        if start < layer:
-            log.info("replayed layers %d..%d in %.1f s", start, layer - 1, time.perf_counter() - began)
-        self.keep(layer, held)
+            held = {c: self.to_host(self.forward(module, index, (x() if index == start else x).to(self.device)))
+                    for c, x in held.items()}
+        return held
+
+
+class _Damaged(Exception):
+    """A boundary chunk that does not read back."""
+
+
+def _arrival(get, waited: list[float]):
+    """A callable that gives a chunk's boundary tensor from `get` (a read, or a read ahead's result), adding the
+    time it waited to `waited[0]`; _Damaged if it does not read back."""
+    def wait() -> torch.Tensor:
+        start = time.perf_counter()
+        try:
+            return get()["hidden_states"]
+        except CorruptStateError as e:
+            raise _Damaged(str(e)) from None
+        finally:
+            waited[0] += time.perf_counter() - start
+    return wait
