@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import psutil
@@ -16,7 +17,7 @@ import pytest
 
 from elastic_oneshot import oneshot
 from elastic_oneshot.durability.protocol import CommitProtocol
-from elastic_oneshot.durability.state import read_events
+from elastic_oneshot.durability.state import StateStore, read_events
 from elastic_oneshot.loop.runner import COMMITS_BEHIND
 from elastic_oneshot.testing.runs import run_cli, tree_digest
 from elastic_oneshot.testing.tiny import make_model, set_architecture
@@ -187,6 +188,28 @@ def test_layers_redone_apart_replay_through_the_one_committed_first(deep_llama, 
         oneshot(model=deep_llama, output_dir=out, state_dir=state, boundary_every=0, **JOB)
     assert re.findall(r"layer (\d+/\d+) committed", caplog.text) == ["3/8", "6/8"]
     assert "replayed layers 0..4 for 6 chunks" in caplog.text
+    assert tree_digest(out) == reference
+
+
+def test_a_restart_reads_its_boundary_ahead_while_the_epoch_is_set_up(deep_llama, reference, tmp_path, monkeypatch):
+    """The boundary a restart replays from is read on the I/O thread from the epoch's start, before the first
+    layer to redo begins, and the replay runs on what arrives: the same bits."""
+    out, state = str(tmp_path / "out"), str(tmp_path / "state")
+    oneshot(model=deep_llama, output_dir=out, state_dir=state, boundary_every=3, **JOB)
+    os.remove(os.path.join(state, "commits/00007.e00001.json"))
+    shutil.rmtree(out)
+    reads, read_tensors = [], StateStore.read_tensors
+
+    def recorded(self, record):
+        reads.append((record["path"], threading.current_thread() is threading.main_thread(), time.time()))
+        return read_tensors(self, record)
+
+    monkeypatch.setattr(StateStore, "read_tensors", recorded)
+    oneshot(model=deep_llama, output_dir=out, state_dir=state, boundary_every=3, **JOB)
+    chunks = [(main, at) for path, main, at in reads if path.startswith("boundaries/00006/")]
+    began = [e["time"] for e in read_events(state) if e["event"] == "layer" and e["epoch"] == 2]
+    assert len(chunks) == 6 and not any(main for main, _ in chunks)
+    assert min(at for _, at in chunks) < began[0]
     assert tree_digest(out) == reference
 
 
