@@ -99,13 +99,15 @@ def _other_commands(sub):
     export.add_argument("--state", required=True)
     export.add_argument("--output", required=True, help="a directory, or an object-store prefix (s3://...)")
 
-    pl = sub.add_parser("plan", help="preview the weight-parallel GPTQ plan without running")
+    pl = sub.add_parser("plan", help="preview the weight-parallel GPTQ plan without running; or, with --fleet, the "
+                        "time, cost and risk of the job on spot GPU nodes")
     pl.add_argument("--model", required=True, help="model directory, or just its config.json")
-    pl.add_argument("--world-size", type=int, required=True)
+    pl.add_argument("--world-size", type=int, help="ranks of the weight-parallel plan (without --fleet)")
     pl.add_argument("--scheme", default="W4A16", choices=SCHEMES, metavar="SCHEME")
     pl.add_argument("--group-size", type=int)
     pl.add_argument("--ignore", action="append", default=[])
-    pl.add_argument("--layers", type=int, default=None, help="show only the first N layers")
+    pl.add_argument("--layers", type=int, default=None, help="show only the first N layers (without --fleet)")
+    _fleet_arguments(pl)
 
     ev = sub.add_parser("eval", help="perplexity of a model over held-out samples")
     ev.add_argument("--model", required=True)
@@ -113,6 +115,36 @@ def _other_commands(sub):
     ev.add_argument("--text-column", default="text")
     ev.add_argument("--num-samples", type=int, default=16)
     ev.add_argument("--seq-len", type=int, default=512)
+
+
+def _fleet_arguments(pl):
+    """`plan --fleet`'s options: None when not given (fleet.Fleet holds the defaults stated here)."""
+    from elastic_oneshot.surface.fleet import ACCELERATORS, Fleet
+
+    d = Fleet()
+    pl.add_argument("--fleet", action="store_true",
+                    help="predict wall time (expected, p10, p90), GPU-hours and cost on MIN..MAX spot nodes, beside "
+                         "restarting from scratch and one on-demand node (docs/operations.md)")
+    fl = pl.add_argument_group("--fleet")
+    fl.add_argument("--samples", type=int, help=f"calibration samples (default {d.samples})")
+    fl.add_argument("--seq-len", type=int, help=f"tokens per sample (default {d.seq_len})")
+    fl.add_argument("--accelerator", choices=list(ACCELERATORS),
+                    help=f"GPU, by its datasheet (default {d.accelerator})")
+    fl.add_argument("--nodes", metavar="MIN:MAX", help=f"node counts to compare (default {d.nodes[0]}:{d.nodes[1]})")
+    fl.add_argument("--gpus-per-node", type=int, help=f"(default {d.gpus_per_node})")
+    fl.add_argument("--mtbp-hours", type=float, help=f"mean time between preemptions of one node (default "
+                    f"{d.mtbp_hours:g}; inf: never)")
+    fl.add_argument("--replacement-minutes", type=float,
+                    help=f"time a replacement node takes to arrive (default {d.replacement_minutes:g})")
+    fl.add_argument("--storage-gbps", type=float,
+                    help=f"GB/s per node to and from the state and the model (default {d.storage_gbps:g})")
+    fl.add_argument("--spot-price", type=float, help=f"$ per GPU-hour (default {d.spot_price}, an H100's)")
+    fl.add_argument("--on-demand-price", type=float, help=f"$ per GPU-hour (default {d.on_demand_price}, an H100's)")
+    fl.add_argument("--moe-calibrate", choices=["all", "routed"], help=f"as for run (default {d.moe_calibrate})")
+    fl.add_argument("--seed", type=int, help=f"of the Monte Carlo (default {d.seed})")
+    fl.add_argument("--trials", type=int, help=f"Monte Carlo trials per node count (default {d.trials})")
+    fl.add_argument("--json", action="store_true", help="the same facts as JSON")
+    fl.add_argument("--plot", metavar="PNG", help="also draw wall time and cost by node count (needs matplotlib)")
 
 
 def main(argv=None) -> int:
@@ -156,6 +188,35 @@ def _fail(message: str, code: int) -> int:
     return code
 
 
+FLEET_ONLY = ("samples", "seq_len", "accelerator", "nodes", "gpus_per_node", "mtbp_hours", "replacement_minutes",
+              "storage_gbps", "spot_price", "on_demand_price", "moe_calibrate", "seed", "trials", "plot")
+
+
+def _plan(args):
+    from elastic_oneshot.quantization.recipe import Recipe
+
+    def flags(names):
+        return ", ".join("--" + n.replace("_", "-") for n in names)
+
+    recipe = Recipe(scheme=args.scheme, group_size=args.group_size, ignore=("lm_head", *args.ignore))
+    if args.fleet:
+        from elastic_oneshot.surface import fleet
+
+        if given := [n for n in ("world_size", "layers") if getattr(args, n) is not None]:
+            raise UsageError(f"{flags(given)}: plan without --fleet only")
+        options = fleet.options({n: getattr(args, n) for n in FLEET_ONLY if n != "plot"})
+        fleet.show(args.model, recipe, options, as_json=args.json, plot=args.plot, scheme=args.scheme)
+        return
+    if given := [n for n in (*FLEET_ONLY, "json") if getattr(args, n) not in (None, False)]:
+        raise UsageError(f"{flags(given)}: plan --fleet only")
+    if args.world_size is None:
+        raise UsageError("plan needs --world-size W (the weight-parallel plan), or --fleet (time, cost and risk on "
+                         "spot nodes)")
+    from elastic_oneshot.surface.api import plan
+
+    print("\n".join(plan(args.model, args.world_size, recipe, args.layers)))
+
+
 def _command(args):
     if args.command == "run":
         from elastic_oneshot.surface.api import oneshot
@@ -182,11 +243,7 @@ def _command(args):
         export(state, open_records(state), open_destination(args.output))
         print(args.output)
     elif args.command == "plan":
-        from elastic_oneshot.quantization.recipe import Recipe
-        from elastic_oneshot.surface.api import plan
-
-        recipe = Recipe(scheme=args.scheme, group_size=args.group_size, ignore=("lm_head", *args.ignore))
-        print("\n".join(plan(args.model, args.world_size, recipe, args.layers)))
+        _plan(args)
     elif args.command == "status":
         from elastic_oneshot.surface.status import show
 

@@ -1,0 +1,544 @@
+"""`plan --fleet`: what a job would take on MIN..MAX spot GPU nodes, before renting them: expected wall time and its
+spread, GPU-hours and cost, beside the same job restarted from scratch at every preemption (a tool without resume)
+and on one on-demand node. A model from the model's shapes and published figures, not a measurement: it is for
+comparing node counts and designs, and its constants (below) say what it assumes.
+
+Per layer, at W = nodes x GPUs ranks: the layer's weights are read (load); calibration and propagation are
+forwards of 2 x params x tokens flops (experts on their routed share: top_k / experts; with `--moe-calibrate all`
+gate and up see every token in calibration) at FORWARD_EFFICIENCY of the bf16 peak, on the busiest rank's chunks
+(data parallel); Hessians cost cols^2 x tokens fp32 flops per input group (the lower triangle of 2 cols^2 tokens,
+gptq.hessian_add); GPTQ is the weight-parallel plan's makespan (plan.make_plan) under CostModel's coefficients
+re-timed for the accelerator (`solve_cost`). The layer's commit is written behind the next layer and costs only
+what exceeds it; boundaries are written as `--boundary-every auto` writes them (boundaries.auto_interval) with the
+fleet's MTBF. Not modeled: attention's score flops, communication between ranks, sub-layer progress of MoE layers.
+
+A preemption (no notice) loses the layer in flight, and the one before it while its commit is still being written.
+The surviving nodes notice it, re-rendezvous and resume at one node fewer if MIN allows (else they wait for the
+replacement), from the newest durable boundary, replaying the layers since; a replacement arrives
+`--replacement-minutes` after each preemption and joins at the end of the layer in flight (a join costs a restart
+and the replay, no lost work). Preemptions are exponential per node; each row is a seeded Monte Carlo.
+"""
+
+import bisect
+import collections
+import contextlib
+import dataclasses
+import json
+import math
+import random
+import re
+
+from elastic_oneshot.errors import UsageError
+
+
+@dataclasses.dataclass(frozen=True)
+class Accelerator:
+    bf16_tflops: float  # dense (no sparsity)
+    fp32_tflops: float
+    fp64_tflops: float  # tensor core where the datasheet has one (Cholesky's bulk is GEMMs)
+    bandwidth_gbps: float  # memory bandwidth, GB/s
+    memory_gb: float
+
+
+# NVIDIA's published datasheet figures (SXM parts): H100 SXM5, H200 SXM, A100 80GB SXM, L40S. The L40S datasheet
+# gives no fp64 figure: 1.4 is Ada's 1/64 of fp32.
+ACCELERATORS = {
+    "H100": Accelerator(989, 67, 67, 3350, 80),
+    "H200": Accelerator(989, 67, 67, 4800, 141),
+    "A100-80G": Accelerator(312, 19.5, 19.5, 2039, 80),
+    "L40S": Accelerator(362, 91.6, 1.4, 864, 48),
+}
+
+# Assumptions of the model (estimates, not measured here):
+FORWARD_EFFICIENCY = 0.4  # of the bf16 peak: eager PyTorch forwards over chunks of 8 x seq_len tokens
+FP_EFFICIENCY = 0.5  # of the fp32 / fp64 peak: Hessian GEMMs (fp32), Cholesky and inverse (fp64), GPTQ's solve (fp32)
+CPU_THREAD_FLOPS = 6.6e10  # one EPYC thread as CostModel sees it: its factor step does 4/3 d^3 flops in a * d^3 s
+COLUMN_S = 1.2e-4  # GPTQ's column loop on a GPU, per column: about a dozen eager ops, bound by their launches
+EXPERT_CALL_S = 1e-4  # one expert called in the loop over experts, per chunk and pass: bound by launches
+CHUNK_SIZE = 8  # `run --chunk-size`'s default: ranks take whole chunks of samples
+SCALE_BYTES = 2  # per column group of a compressed weight (bf16 scales; fp8-scaled formats take less)
+# Restarts: torchrun as launch/env.sh configures it (RDZV_CONF; tests/test_fleet.py keeps these in step):
+NOTICE_S = 1 * 3  # keep_alive_interval x keep_alive_max_attempt: survivors notice a lost node
+RENDEZVOUS_S = 2  # last_call_timeout: the rendezvous waits this long for more nodes once MIN are in
+STARTUP_S = 30.0  # interpreter, imports, skeleton, resume point: "tens of seconds at most" (docs/operations.md)
+# The Monte Carlo's bounds, and the recommendation:
+CAP_FACTOR = 100  # a trial past 100 x (its uninterrupted wall + one replacement) never finishes
+CAP_EVENTS = 20000  # ... and so does one past this many preemptions and joins
+COST_SLACK = 0.10  # recommend the fastest node count whose expected cost is within 10 % of the cheapest
+TOP_K = ("num_experts_per_tok", "moe_top_k", "top_k", "num_selected_experts")  # config names of experts per token
+EXPERT = re.compile(r"((?:.*\.)?experts)\.(\d+)\.(\w+)$")  # moe.Expert's Linear modules in the skeleton
+
+
+@dataclasses.dataclass(frozen=True)
+class Fleet:
+    """`plan --fleet`'s inputs (the CLI states these defaults)."""
+
+    samples: int = 512
+    seq_len: int = 2048
+    accelerator: str = "H100"
+    nodes: tuple[int, int] = (1, 8)
+    gpus_per_node: int = 8
+    mtbp_hours: float = 4.0  # mean time between preemptions of one node
+    replacement_minutes: float = 5.0
+    storage_gbps: float = 1.0  # GB/s per node, to and from the state (and the model)
+    # $ per GPU-hour, illustrative H100 prices (pass yours): AWS p5.48xlarge on demand, about $55/h for 8 after
+    # AWS's June 2025 cut ($98.32/h before); spot, about 60 % below on demand, as H100 spot commonly is.
+    spot_price: float = 2.50
+    on_demand_price: float = 6.88
+    seed: int = 0
+    trials: int = 2000
+    moe_calibrate: str = "all"
+
+    @property
+    def acc(self) -> Accelerator:
+        return ACCELERATORS[self.accelerator]
+
+    @property
+    def storage(self) -> float:
+        return self.storage_gbps * 1e9  # bytes/s
+
+    @property
+    def mtbp_s(self) -> float:
+        return self.mtbp_hours * 3600
+
+
+POSITIVE = ("samples", "seq_len", "gpus_per_node", "mtbp_hours", "storage_gbps", "trials")
+NOT_NEGATIVE = ("replacement_minutes", "spot_price", "on_demand_price")
+
+
+def options(values: dict) -> Fleet:
+    """A Fleet from the command line's values (None: the default), each checked: one line for the first bad one."""
+    values = {k: v for k, v in values.items() if v is not None}
+    if "nodes" in values:
+        values["nodes"] = parse_nodes(str(values["nodes"]))
+    for key in POSITIVE + NOT_NEGATIVE:
+        value = values.get(key, 1)
+        if not (value > 0 if key in POSITIVE else value >= 0) or math.isnan(value):
+            flag = "--" + key.replace("_", "-")
+            raise UsageError(f"{flag} {value:g}: expected a number {'above 0' if key in POSITIVE else 'of 0 or more'}")
+    return Fleet(**values)
+
+
+def parse_nodes(text: str) -> tuple[int, int]:
+    """`--nodes MIN:MAX` (or N, for N:N)."""
+    low, _, high = text.partition(":")
+    try:
+        nodes = int(low), int(high or low)
+    except ValueError:
+        nodes = (0, 0)
+    if not 1 <= nodes[0] <= nodes[1]:
+        raise UsageError(f"--nodes {text}: expected MIN:MAX, whole numbers with 1 <= MIN <= MAX")
+    return nodes
+
+
+# -- the model's work ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class LayerWork:
+    """One decoder layer's work: flops per calibration token, bytes and GPTQ groups whole."""
+
+    calibrate_flops: float
+    propagate_flops: float
+    hessian_flops: float  # fp32
+    expert_calls: int  # experts called one by one, per chunk and pass
+    weight_bytes: int  # as stored: read by load and by a replay
+    compressed_bytes: float  # its commit
+    groups: tuple = ()  # plan.Group
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelWork:
+    model_type: str
+    hidden: int
+    itemsize: int  # bytes per activation (the model's dtype: boundaries are written in it)
+    layers: list[LayerWork]
+
+
+@contextlib.contextmanager
+def _meta_parameters():
+    """Parameters created inside go to the meta device (buffers stay real, as SourceModel builds them): experts
+    split into Linear modules (moe.make_quantizable) would otherwise be allocated on the host, 58 GB for
+    Qwen3-30B-A3B, just to read their shapes."""
+    import torch
+
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        if param is not None and not param.is_meta:
+            param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    torch.nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register
+
+
+def model_work(model: str, recipe, all_experts: bool = True) -> ModelWork:
+    """The work of every layer, from the model's config alone (SourceModel's meta skeleton); identical layers
+    are computed once."""
+    from elastic_oneshot.models.source import SourceModel
+    from elastic_oneshot.quantization.schemes import column_width
+
+    with _meta_parameters():
+        source = SourceModel(model)
+    schemes = recipe.module_schemes(source.skeleton, source.family)
+    config = source.config.get_text_config()
+    top_k = next((getattr(config, k) for k in TOP_K if getattr(config, k, None)), None)
+    seen, layers = {}, []
+    for index, layer in enumerate(source.layers):
+        prefix = f"{source.layer_prefix}{index}."
+        modules = dict(layer.named_modules())
+        linear = tuple((n, m.in_features, m.out_features) for n, m in modules.items() if hasattr(m, "in_features"))
+        local = {n[len(prefix):]: s.weights for n, s in schemes.items() if n.startswith(prefix)}
+        bits = tuple((n, w.num_bits, column_width(w, modules[n].in_features)) for n, w in local.items())
+        if (linear, bits) not in seen:
+            seen[linear, bits] = _layer_work(layer, linear, bits, source, top_k, all_experts)
+        layers.append(seen[linear, bits])
+    return ModelWork(source.config.model_type, config.hidden_size, source.dtype.itemsize, layers)
+
+
+def _layer_work(layer, linear, bits, source, top_k, all_experts) -> LayerWork:
+    """A layer's LayerWork from its Linear modules (name, in, out) and quantized ones (name, bits, group width)."""
+    from elastic_oneshot.quantization.plan import layer_groups
+
+    experts = collections.Counter(m.group(1) for n, *_ in linear if (m := EXPERT.match(n)) and m.group(3) ==
+                                  "down_proj")
+
+    def routed(name):  # the share of tokens a module sees in a routed forward
+        m = EXPERT.match(name)
+        return min(1.0, (top_k or experts[m.group(1)]) / experts[m.group(1)]) if m else 1.0
+
+    def calibrated(name):  # ... and in calibration: all-experts runs gate and up on every token
+        m = EXPERT.match(name)
+        return 1.0 if all_experts and m and m.group(3) != "down_proj" else routed(name)
+
+    groups = tuple(layer_groups(layer, [n for n, *_ in bits], source.family.shared_inputs, all_experts))
+    shapes = {n: (i, o) for n, i, o in linear}
+    return LayerWork(
+        calibrate_flops=sum(2 * i * o * calibrated(n) for n, i, o in linear),
+        propagate_flops=sum(2 * i * o * routed(n) for n, i, o in linear),
+        hessian_flops=sum(g.cols**2 * (1.0 if all_experts else routed(g.name)) for g in groups),
+        expert_calls=sum(experts.values()),
+        weight_bytes=sum(i * o for _, i, o in linear) * source.dtype.itemsize,
+        compressed_bytes=sum(_compressed(shapes[n], b, w) for n, b, w in bits),
+        groups=groups)
+
+
+def _compressed(shape: tuple[int, int], bits: int, width: int) -> float:
+    cols, rows = shape
+    return rows * cols * bits / 8 + rows * math.ceil(cols / width) * SCALE_BYTES
+
+
+# -- seconds per layer --------------------------------------------------------------------------------------------
+def solve_cost(acc: Accelerator):
+    """CostModel (seconds for one EPYC thread) re-timed for the accelerator: its flop terms by the ratio of that
+    thread's rate to FP_EFFICIENCY of the accelerator's fp64 (factor, panels, inverse) or fp32 (solve) peak; its
+    per-column overhead replaced by COLUMN_S (a GPU's column loop is bound by launches, not flops)."""
+    from elastic_oneshot.quantization.plan import CostModel
+
+    base = CostModel()
+    fp64 = CPU_THREAD_FLOPS / (acc.fp64_tflops * 1e12 * FP_EFFICIENCY)
+    fp32 = CPU_THREAD_FLOPS / (acc.fp32_tflops * 1e12 * FP_EFFICIENCY)
+    return CostModel(a=base.a * fp64, f=base.f * fp64, i=base.i * fp64, b=base.b * fp32, c=COLUMN_S)
+
+
+_PLANS: dict = {}
+
+
+def _makespan(groups: tuple, ranks: int, acc: Accelerator) -> float:
+    from elastic_oneshot.quantization.plan import make_plan
+
+    key = (groups, ranks, acc)
+    if key not in _PLANS:
+        _PLANS[key] = make_plan(list(groups), ranks, solve_cost(acc)).makespan
+    return _PLANS[key]
+
+
+def layer_seconds(work: LayerWork, fleet: Fleet, nodes: int) -> dict[str, float]:
+    """One layer's phases at `nodes` nodes, in seconds; `commit` is written behind the next layer."""
+    acc, ranks = fleet.acc, nodes * fleet.gpus_per_node
+    chunks = math.ceil(fleet.samples / CHUNK_SIZE)
+    mine = math.ceil(chunks / ranks)  # chunks on the busiest rank
+    tokens = min(fleet.samples, mine * CHUNK_SIZE) * fleet.seq_len
+
+    def forward(flops):  # compute or weight reads, whichever is longer, plus the loop over experts
+        return (max(flops * tokens / (acc.bf16_tflops * 1e12 * FORWARD_EFFICIENCY),
+                    mine * work.weight_bytes / (acc.bandwidth_gbps * 1e9)) + mine * work.expert_calls * EXPERT_CALL_S)
+
+    return {"load": work.weight_bytes / fleet.storage,
+            "calibrate": forward(work.calibrate_flops),
+            "hessian": work.hessian_flops * tokens / (acc.fp32_tflops * 1e12 * FP_EFFICIENCY),
+            "gptq": _makespan(work.groups, ranks, acc),
+            "propagate": forward(work.propagate_flops),
+            "commit": work.compressed_bytes / (fleet.storage * nodes)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Timeline:
+    """The layers at one node count, as the simulation walks them."""
+
+    cum: list[float]  # start of each layer from the first (and the end of the last), uninterrupted
+    commit: list[float]  # each layer's commit, written while the next one computes
+    replay_cum: list[float]  # prefix sums of load + propagate: a replay through layers a..b
+    interval: list[int]  # boundaries.auto_interval at each layer
+    write_s: float  # one boundary, written (or read back) by every node in parallel
+    tail: float  # after the last layer: its commit, then the export (everything read back, written once)
+
+
+def timeline(model: ModelWork, fleet: Fleet, nodes: int, resume: bool = True) -> Timeline:
+    """Layer times at `nodes` nodes; without `resume` (a tool that keeps nothing), no commits and no boundaries."""
+    from elastic_oneshot.durability.boundaries import auto_interval
+
+    phases = [layer_seconds(w, fleet, nodes) for w in model.layers]
+    compute = [sum(v for k, v in p.items() if k != "commit") for p in phases]
+    commit = [p["commit"] if resume else 0.0 for p in phases]
+    durations = [c + max(0.0, (commit[i - 1] if i else 0.0) - c) for i, c in enumerate(compute)]
+    write_s = fleet.samples * fleet.seq_len * model.hidden * model.itemsize / (fleet.storage * nodes)
+    mtbf = min(fleet.mtbp_s / nodes, 1e18)  # never preempted: Young and Daly's interval is the bound
+    interval = [auto_interval(write_s, c, p["propagate"], mtbf) for c, p in zip(compute, phases)]
+    total = sum(w.compressed_bytes for w in model.layers)
+    return Timeline(_prefix(durations), commit, _prefix([p["load"] + p["propagate"] for p in phases]), interval,
+                    write_s, commit[-1] + 2 * total / fleet.storage)
+
+
+def _prefix(values: list[float]) -> list[float]:
+    out = [0.0]
+    for v in values:
+        out.append(out[-1] + v)
+    return out
+
+
+# -- the Monte Carlo ----------------------------------------------------------------------------------------------
+def uninterrupted(tl: Timeline) -> float:
+    return STARTUP_S + tl.cum[-1] + tl.tail
+
+
+def _durable(tl: Timeline, first: int, began: float, upto: int, when: float, boundary: int) -> int:
+    """The newest boundary durable at `when` of an epoch that began layer `first` at `began`: its first layer's
+    inputs are written at once (the write that measures the link), then every `interval` layers, each durable a
+    write's time after its layer starts; `boundary` if none is."""
+    written = first
+    for layer in range(first, min(upto, len(tl.interval) - 1) + 1):
+        if layer > written and layer - written >= tl.interval[layer]:
+            written = layer
+        if written == layer and began + tl.cum[layer] - tl.cum[first] + tl.write_s <= when:
+            boundary = layer
+    return boundary
+
+
+def trial(tls: dict[int, Timeline], nodes: int, low: int, fleet: Fleet, rng: random.Random, resume: bool = True
+          ) -> tuple[float, float] | None:
+    """One history of the job on `nodes` nodes (`--nnodes low:nodes`): its wall seconds and the node-seconds paid,
+    or None when it runs past the caps. Without `resume` every start is from layer 0 (low = nodes)."""
+    last = len(tls[nodes].cum) - 1
+    cap = CAP_FACTOR * (uninterrupted(tls[nodes]) + fleet.replacement_minutes * 60)
+    t, alive, done, boundary, events = 0.0, nodes, 0, 0, 0
+    setup, preempted, pending = STARTUP_S, [], collections.deque()
+    while t < cap and events < CAP_EVENTS:
+        events += 1
+        if alive < low:  # wait for replacements; the nodes left may be preempted meanwhile
+            lost = _next_preemption(t, alive, fleet, rng)
+            if lost < pending[0]:
+                t, alive = lost, alive - 1
+                preempted.append(lost)
+                pending.append(lost + fleet.replacement_minutes * 60)
+            else:
+                t, alive = pending.popleft(), alive + 1
+                t += RENDEZVOUS_S if alive >= low else 0.0
+            continue
+        tl = tls[alive]
+        restore = 0.0 if done == last or not resume else (
+            (tl.write_s if boundary else 0.0) + tl.replay_cum[done] - tl.replay_cum[boundary])
+        began = t + setup + restore  # layer `done` starts
+        end = began + tl.cum[last] - tl.cum[done] + tl.tail
+        lost = _next_preemption(t, alive, fleet, rng)
+        join = max(t, _join_at(tl, began, done, pending[0])) if pending and alive < nodes else math.inf
+        if min(lost, join) >= end:
+            return end, _paid(end, nodes, preempted, fleet)
+        if join < lost:
+            done, boundary = _resumed(tl, done, began, join, boundary, resume, lost=False)
+            while pending and pending[0] <= join and alive < nodes:
+                pending.popleft()
+                alive += 1
+            t, setup = join + RENDEZVOUS_S, STARTUP_S
+            continue
+        done, boundary = _resumed(tl, done, began, lost, boundary, resume, lost=True)
+        preempted.append(lost)
+        pending.append(lost + fleet.replacement_minutes * 60)
+        t, alive, setup = lost + NOTICE_S + RENDEZVOUS_S, alive - 1, STARTUP_S
+    return None
+
+
+def _next_preemption(t: float, alive: int, fleet: Fleet, rng: random.Random) -> float:
+    rate = alive / fleet.mtbp_s
+    return t + rng.expovariate(rate) if rate > 0 else math.inf
+
+
+def _join_at(tl: Timeline, began: float, done: int, arrival: float) -> float:
+    """When a node arriving at `arrival` joins: at the end of the layer then in flight (at once during start-up);
+    never during the last layer (the job ends first)."""
+    if arrival <= began:
+        return arrival
+    layer = bisect.bisect_right(tl.cum, arrival - began + tl.cum[done]) - 1
+    return began + tl.cum[layer + 1] - tl.cum[done] if layer + 1 < len(tl.cum) - 1 else math.inf
+
+
+def _resumed(tl: Timeline, done: int, began: float, when: float, boundary: int, resume: bool, lost: bool
+             ) -> tuple[int, int]:
+    """(first layer to compute, newest durable boundary) after an epoch that began layer `done` at `began` ends at
+    `when`: by a loss (the layer in flight lost, and the one before it while its commit is written) or a join."""
+    if not resume:
+        return 0, 0
+    if when <= began:
+        return done, boundary
+    layer = bisect.bisect_right(tl.cum, when - began + tl.cum[done]) - 1
+    elapsed = when - began - (tl.cum[layer] - tl.cum[done])
+    committed = layer - 1 if lost and layer > done and elapsed < tl.commit[layer - 1] else layer
+    return committed, _durable(tl, done, began, committed, when, boundary)
+
+
+def _paid(end: float, nodes: int, preempted: list[float], fleet: Fleet) -> float:
+    """Node-seconds paid: every node all along, less each preempted one until its replacement arrives."""
+    gap = fleet.replacement_minutes * 60
+    return nodes * end - sum(min(end, p + gap) - p for p in preempted)
+
+
+# -- the report ---------------------------------------------------------------------------------------------------
+def row(tls: dict[int, Timeline], nodes: int, low: int, fleet: Fleet, resume: bool = True) -> dict:
+    """A node count's statistics over `fleet.trials` seeded trials; as soon as one trial never finishes, only that."""
+    rng = random.Random(f"{fleet.seed}:{nodes}:{low}:{resume}")
+    walls, paid = [], 0.0
+    for _ in range(fleet.trials):
+        result = trial(tls, nodes, low, fleet, rng, resume)
+        if result is None:
+            return {"finishes": False, "uninterrupted_s": uninterrupted(tls[nodes])}
+        walls.append(result[0])
+        paid += result[1]
+    walls.sort()
+    gpu_hours = paid / len(walls) * fleet.gpus_per_node / 3600
+    return {"finishes": True, "uninterrupted_s": uninterrupted(tls[nodes]), "expected_s": sum(walls) / len(walls),
+            "p10_s": walls[round(0.1 * (len(walls) - 1))], "p90_s": walls[round(0.9 * (len(walls) - 1))],
+            "gpu_hours": gpu_hours, "cost": gpu_hours * fleet.spot_price}
+
+
+def report(model: ModelWork, fleet: Fleet, scheme: str = "") -> dict:
+    """Every row (MIN..MAX nodes, resumable and from scratch), one on-demand node, and the recommendation."""
+    low, high = fleet.nodes
+    resumable = {n: timeline(model, fleet, n) for n in range(low, high + 1)}
+    rows = []
+    for n in range(low, high + 1):
+        scratch = {n: timeline(model, fleet, n, resume=False)}
+        rows.append({"nodes": n, "gpus": n * fleet.gpus_per_node, **row(resumable, n, low, fleet),
+                     "from_scratch": row(scratch, n, n, fleet, resume=False)})
+    one = resumable.get(1) or timeline(model, fleet, 1)
+    wall = uninterrupted(one)
+    phases = [layer_seconds(w, fleet, low) for w in model.layers]
+    per_layer = {k: sum(p[k] for p in phases) / len(phases) for k in phases[0]}
+    memory = max(w.weight_bytes + sum(g.cols**2 * 12 for g in w.groups) for w in model.layers)  # fp64 + fp32 chunk
+    memory += 2 * CHUNK_SIZE * fleet.seq_len * model.hidden * model.itemsize  # a chunk's inputs and outputs
+    return {"model": model.model_type, "layers": len(model.layers), "scheme": scheme,
+            "fleet": {k: (None if v == math.inf else v) for k, v in dataclasses.asdict(fleet).items()},
+            "accelerator": dataclasses.asdict(fleet.acc), "per_layer_s_at_min": per_layer,
+            "boundary_gb": model.hidden * model.itemsize * fleet.samples * fleet.seq_len / 1e9,
+            "boundary_every_at_min": resumable[low].interval[0], "gpu_memory_gb": memory / 1e9, "rows": rows,
+            "on_demand": {"nodes": 1, "gpus": fleet.gpus_per_node, "wall_s": wall,
+                          "cost": wall / 3600 * fleet.gpus_per_node * fleet.on_demand_price},
+            "recommendation": recommend(rows, fleet)}
+
+
+def recommend(rows: list[dict], fleet: Fleet) -> dict:
+    """The fastest node count whose expected cost is within COST_SLACK of the cheapest, and why, in one line."""
+    finishing = [r for r in rows if r["finishes"]]
+    low, high = fleet.nodes
+    if not finishing:
+        return {"nnodes": None, "why": f"no node count in {low}..{high} finishes: preemptions come faster than a "
+                "restart and a layer; use nodes preempted less often, or on demand"}
+    cheapest = min(finishing, key=lambda r: r["cost"])
+    pick = min((r for r in finishing if r["cost"] <= cheapest["cost"] * (1 + COST_SLACK)),
+               key=lambda r: (r["expected_s"], r["nodes"]))
+    mtbf = fleet.mtbp_s / pick["nodes"]
+    flags = f"--nnodes {low}:{pick['nodes']}" + (f" (run --mtbf {mtbf:.0f})" if mtbf < math.inf else "")
+    return {"nnodes": f"{low}:{pick['nodes']}", "mtbf_s": None if mtbf == math.inf else round(mtbf),
+            "why": f"{flags}: expected {_duration(pick['expected_s'])} for ${pick['cost']:.2f}, the fastest whose "
+                   f"expected cost is within {COST_SLACK:.0%} of the cheapest (${cheapest['cost']:.2f} at "
+                   f"{cheapest['nodes']} node{'s' if cheapest['nodes'] > 1 else ''})"}
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min" if seconds < 7200 else \
+        f"{seconds / 3600:.1f} h"
+
+
+def render(r: dict) -> str:
+    """The report as a table, with what it assumed above it and the recommendation below."""
+    f, a, p = r["fleet"], r["accelerator"], r["per_layer_s_at_min"]
+    mtbp = "never preempted" if f["mtbp_hours"] is None else f"each preempted every {f['mtbp_hours']:g} h on average"
+    lines = [f"{r['model']}: {r['layers']} layers, {r['scheme']}, {f['samples']} x {f['seq_len']} tokens; "
+             f"{f['accelerator']} ({a['bf16_tflops']:g} bf16 TFLOP/s, {a['bandwidth_gbps']:g} GB/s, "
+             f"{a['memory_gb']:g} GB) x {f['gpus_per_node']} a node",
+             f"spot nodes {mtbp}, replaced in {f['replacement_minutes']:g} min; storage {f['storage_gbps']:g} GB/s a "
+             f"node; ${f['spot_price']:.2f} spot, ${f['on_demand_price']:.2f} on demand per GPU-hour; "
+             f"{f['trials']} trials, seed {f['seed']}",
+             f"a layer at {f['nodes'][0]} node{'s' if f['nodes'][0] > 1 else ''} (mean): "
+             + ", ".join(f"{k} {v:.2f}" for k, v in p.items() if k != "commit")
+             + f" s; its commit {p['commit']:.2f} s behind the next; boundary {r['boundary_gb']:.1f} GB every "
+             f"{r['boundary_every_at_min']} layers; per GPU about {r['gpu_memory_gb']:.1f} GB",
+             "", f"{'nodes':>6} {'GPUs':>5} {'no preemption':>14} {'expected':>9} {'p10':>9} {'p90':>9} "
+             f"{'GPU-h':>8} {'spot $':>9} | {'from scratch':>12} {'$':>9}"]
+    for row_ in r["rows"]:
+        s = row_["from_scratch"]
+        scratch = (f"{_duration(s['expected_s']):>12} {s['cost']:>9.2f}" if s["finishes"]
+                   else f"{'never finishes':>22}")
+        mine = (f"{_duration(row_['expected_s']):>9} {_duration(row_['p10_s']):>9} {_duration(row_['p90_s']):>9} "
+                f"{row_['gpu_hours']:>8.1f} {row_['cost']:>9.2f}" if row_["finishes"] else f"{'never finishes':>47}")
+        lines.append(f"{f['nodes'][0]}:{row_['nodes']:<4} {row_['gpus']:>5} {_duration(row_['uninterrupted_s']):>14} "
+                     f"{mine} | {scratch}")
+    od = r["on_demand"]
+    lines += ["", f"on demand, 1 node ({od['gpus']} GPUs), no preemptions: {_duration(od['wall_s'])}, "
+              f"${od['cost']:.2f}",
+              ("recommend " if r["recommendation"]["nnodes"] else "") + r["recommendation"]["why"]]
+    return "\n".join(lines)
+
+
+def draw(r: dict, path: str):
+    """Expected wall (p10 to p90) and spot cost by node count, beside from-scratch restarts and on demand."""
+    Figure = _figure(path)
+    done = [x for x in r["rows"] if x["finishes"]]
+    scratch = [x for x in r["rows"] if x["from_scratch"]["finishes"]]
+    fig = Figure(figsize=(9, 4), dpi=100)
+    wall, cost = fig.subplots(1, 2)
+    wall.errorbar([x["nodes"] for x in done], [x["expected_s"] / 60 for x in done], fmt="o-", capsize=3,
+                  yerr=[[(x["expected_s"] - x["p10_s"]) / 60 for x in done],
+                        [(x["p90_s"] - x["expected_s"]) / 60 for x in done]], label="resumable (p10 to p90)")
+    cost.plot([x["nodes"] for x in done], [x["cost"] for x in done], "o-", label="resumable, spot")
+    wall.plot([x["nodes"] for x in scratch], [x["from_scratch"]["expected_s"] / 60 for x in scratch], "s--",
+              label="from scratch")
+    cost.plot([x["nodes"] for x in scratch], [x["from_scratch"]["cost"] for x in scratch], "s--", label="from scratch")
+    wall.axhline(r["on_demand"]["wall_s"] / 60, color="grey", linestyle=":", label="1 node on demand")
+    cost.axhline(r["on_demand"]["cost"], color="grey", linestyle=":", label="1 node on demand")
+    wall.set(xlabel="nodes (MAX)", ylabel="expected wall, minutes",
+             title=f"{r['model']} on {r['fleet']['accelerator']}")
+    cost.set(xlabel="nodes (MAX)", ylabel="expected cost, $", title="spot, from scratch, on demand")
+    for ax in (wall, cost):
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def _figure(path: str):
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise UsageError(f"--plot {path} needs matplotlib, which is not installed: pip install matplotlib") from None
+    return Figure
+
+
+def show(model: str, recipe, fleet: Fleet, as_json: bool = False, plot: str | None = None, scheme: str = ""):
+    """`plan --fleet`: the report, as a table or JSON, and drawn when `plot` names a PNG."""
+    if plot:
+        _figure(plot)  # before any work
+    r = report(model_work(model, recipe, fleet.moe_calibrate == "all"), fleet, scheme)
+    print(json.dumps(r) if as_json else render(r))
+    if plot:
+        draw(r, plot)

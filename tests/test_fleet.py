@@ -1,0 +1,173 @@
+"""`plan --fleet`: the model's pieces on hand-computed cases, the Monte Carlo's edges (no preemption, certain
+preemption), and the command line on configs of a tiny dense model and a tiny Qwen3-MoE."""
+
+import json
+import math
+import os
+import re
+
+import pytest
+
+from elastic_oneshot.quantization.recipe import Recipe
+from elastic_oneshot.surface import fleet as F
+from elastic_oneshot.surface.cli import main
+from elastic_oneshot.testing.runs import run_cli
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+H100 = F.ACCELERATORS["H100"]
+TOKENS = 8 * 1000  # samples x seq_len: one chunk, on one rank
+# Per token flops that take round seconds on one H100 at the model's efficiencies: 1 s calibrating, 1 s of
+# Hessians, 0.5 s propagating; 1 GB of weights loads in 1 s at 1 GB/s.
+LAYER = F.LayerWork(calibrate_flops=H100.bf16_tflops * 1e12 * F.FORWARD_EFFICIENCY / TOKENS,
+                    propagate_flops=H100.bf16_tflops * 1e12 * F.FORWARD_EFFICIENCY / TOKENS / 2,
+                    hessian_flops=H100.fp32_tflops * 1e12 * F.FP_EFFICIENCY / TOKENS,
+                    expert_calls=0, weight_bytes=10**9, compressed_bytes=5e8)
+FLEET = F.Fleet(samples=8, seq_len=1000, nodes=(1, 1), gpus_per_node=1, mtbp_hours=1.0, trials=50)
+
+
+def model(layers: int = 10, layer: F.LayerWork = LAYER) -> F.ModelWork:
+    return F.ModelWork("hand", hidden=1000, itemsize=2, layers=[layer] * layers)
+
+
+def test_a_layers_seconds_by_hand():
+    s = F.layer_seconds(LAYER, FLEET, 1)
+    assert s == pytest.approx({"load": 1.0, "calibrate": 1.0, "hessian": 1.0, "gptq": 0.0, "propagate": 0.5,
+                               "commit": 0.5})
+    # Twice the ranks: the busiest rank still holds the one chunk; twice the nodes write the commit.
+    assert F.layer_seconds(LAYER, FLEET, 2) == pytest.approx({**s, "commit": 0.25})
+
+
+def test_no_preemption_is_the_plain_sum_of_the_layers_plus_start_up():
+    tl = F.timeline(model(), F.Fleet(**{**FLEET.__dict__, "mtbp_hours": math.inf}), 1)
+    plain = F.STARTUP_S + 10 * 3.5 + 0.5 + 2 * 10 * 5e8 / 1e9  # start-up, layers, the last commit, the export
+    assert F.uninterrupted(tl) == pytest.approx(plain, rel=1e-12)
+    wall, paid = F.trial({1: tl}, 1, 1, FLEET, _Draws())
+    assert (wall, paid) == (pytest.approx(plain, rel=1e-12), pytest.approx(plain, rel=1e-12))
+
+
+def test_a_commit_slower_than_the_next_layer_delays_it():
+    tl = F.timeline(model(3, F.LayerWork(**{**LAYER.__dict__, "compressed_bytes": 5e9})), FLEET, 1)
+    assert tl.cum == pytest.approx([0.0, 3.5, 3.5 + 5.0, 3.5 + 10.0])  # each commit 5 s, behind a 3.5 s layer
+
+
+def test_a_rate_of_zero_has_no_spread():
+    never = F.Fleet(**{**FLEET.__dict__, "mtbp_hours": math.inf, "nodes": (1, 3)})
+    r = F.report(model(), never)
+    for row in r["rows"]:
+        assert row["finishes"] and row["p10_s"] == row["p90_s"] == pytest.approx(row["uninterrupted_s"], rel=1e-12)
+        assert row["expected_s"] == pytest.approx(row["p10_s"], rel=1e-12)
+        assert row["from_scratch"]["p10_s"] == row["from_scratch"]["p90_s"]
+    assert r["fleet"]["mtbp_hours"] is None and json.dumps(r, allow_nan=False)  # plain JSON, no Infinity
+
+
+def test_one_preemption_by_hand():
+    """One node, preempted 40 s after it started, 10 s into its layers: layer 2 is in flight (3 s into it, so layer
+    1's commit is written): layers 0 and 1 are kept. The replacement comes 300 s after; after rendezvous and
+    start-up the replay from the embeddings through layers 0 and 1 (1 s load + 0.5 s propagation each) precedes
+    layer 2."""
+    tl = F.timeline(model(), FLEET, 1)
+    assert tl.interval[0] == 3 and tl.write_s == pytest.approx(0.016)  # no boundary durable but the embeddings'
+    wall, paid = F.trial({1: tl}, 1, 1, FLEET, _Draws(40.0, 1e12))
+    resumed = 40 + 300 + F.RENDEZVOUS_S + F.STARTUP_S + 2 * 1.5
+    assert wall == pytest.approx(resumed + 8 * 3.5 + 10.5)
+    assert paid == pytest.approx(wall - 300)  # no node was paid while the replacement came
+
+
+def test_a_loss_while_the_previous_commit_is_written_loses_that_layer_too():
+    tl = F.timeline(model(), FLEET, 1)
+    assert F._resumed(tl, 0, 0.0, 3.5 + 0.4, 0, True, lost=True) == (0, 0)  # layer 0's commit not yet written
+    assert F._resumed(tl, 0, 0.0, 3.5 + 0.6, 0, True, lost=True) == (1, 0)
+    assert F._resumed(tl, 0, 0.0, 3 * 3.5 + 0.6, 0, True, lost=True) == (3, 3)  # layer 3's inputs were written
+    assert F._resumed(tl, 0, 0.0, 3 * 3.5 + 0.6, 0, False, lost=True) == (0, 0)  # without resume: from scratch
+
+
+def test_losing_a_node_goes_on_with_the_others():
+    """Two nodes, MIN 1: the one left resumes at once and the replacement joins at the end of a layer; from
+    scratch the job waits for it and starts over."""
+    tls = {n: F.timeline(model(), FLEET, n) for n in (1, 2)}
+    wall, _ = F.trial(tls, 2, 1, FLEET, _Draws(40.0, 1e12, 1e12))
+    waited, _ = F.trial({2: F.timeline(model(), FLEET, 2, resume=False)}, 2, 2, FLEET, _Draws(40.0, 1e12, 1e12))
+    assert F.uninterrupted(tls[2]) < wall < waited
+
+
+def test_a_certain_preemption_every_layer_never_finishes():
+    certain = F.Fleet(**{**FLEET.__dict__, "mtbp_hours": 1e-9, "nodes": (1, 2)})  # every 3.6 us per node
+    r = F.report(model(), certain)
+    assert not any(row["finishes"] or row["from_scratch"]["finishes"] for row in r["rows"])
+    assert r["recommendation"]["nnodes"] is None and "no node count in 1..2 finishes" in F.render(r)
+    assert "never finishes" in F.render(r)
+
+
+def test_restart_constants_are_the_launchers():
+    """NOTICE_S and RENDEZVOUS_S are what launch/env.sh gives torchrun."""
+    with open(os.path.join(ROOT, "launch", "env.sh")) as f:
+        conf = dict(re.findall(r"(\w+)=(\d+)", re.search(r'RDZV_CONF:-([^}"]+)', f.read()).group(1)))
+    assert F.NOTICE_S == int(conf["keep_alive_interval"]) * int(conf["keep_alive_max_attempt"])
+    assert F.RENDEZVOUS_S == int(conf["last_call_timeout"])
+
+
+def test_a_tiny_moe_layers_work_by_hand(tiny_moe):
+    """Qwen3-MoE, hidden 128, 16 experts of 128, 4 routed (the router is no Linear): q/o 128x128, k/v 128x64."""
+    for all_experts, calibrate, hessian in ((True, 1277952, 311296), (False, 491520, 163840)):
+        work = F.model_work(tiny_moe, Recipe(ignore=("lm_head",)), all_experts)
+        w = work.layers[0]
+        assert work.layers[0] is work.layers[2] and (work.hidden, work.itemsize) == (128, 4)
+        attention, expert = 2 * (2 * 128 * 128 + 2 * 128 * 64), 2 * 3 * 128 * 128
+        assert w.propagate_flops == attention + 16 * expert * 4 / 16 == 491520
+        assert (w.calibrate_flops, w.hessian_flops, w.expert_calls) == (calibrate, hessian, 16)
+        assert w.compressed_bytes == 2 * (8192 + 256) + 2 * (4096 + 128) + 16 * 3 * (8192 + 256)  # int4, bf16 scales
+
+
+def test_plan_fleet_on_the_command_line(tmp_path, tiny_moe, capsys):
+    import transformers
+
+    transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=1024).save_pretrained(tmp_path)
+    out = run_cli("plan", "--fleet", "--model", tmp_path / "config.json", "--nodes", "1:3", "--trials", 100,
+                  "--samples", 64, "--seq-len", 256).stdout
+    print("\n" + out)
+    assert re.search(r"^1:3 +24 ", out, re.M) and "on demand, 1 node (8 GPUs)" in out
+    assert re.search(r"^recommend --nnodes 1:\d \(run --mtbf \d+\): expected", out, re.M)
+    capsys.readouterr()
+    assert main(["plan", "--fleet", "--model", tiny_moe, "--json", "--nodes", "2:2", "--trials", "10"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["model"] == "qwen3_moe" and [row["nodes"] for row in r["rows"]] == [2] and r["rows"][0]["finishes"]
+
+
+@pytest.mark.parametrize("args, line", [
+    (["--nodes", "3:1"], "--nodes 3:1: expected MIN:MAX, whole numbers with 1 <= MIN <= MAX"),
+    (["--mtbp-hours", "0"], "--mtbp-hours 0: expected a number above 0"),
+    (["--spot-price", "-1"], "--spot-price -1: expected a number of 0 or more"),
+    (["--world-size", "4"], "--world-size: plan without --fleet only"),
+])
+def test_bad_fleet_input_is_one_line_and_exit_2(tiny_moe, capsys, args, line):
+    assert main(["plan", "--fleet", "--model", tiny_moe, *args]) == 2
+    assert capsys.readouterr().err == f"elastic-oneshot: error: {line}\n"
+
+
+def test_fleet_options_need_fleet_and_the_plan_a_world_size(tiny_moe, capsys):
+    assert main(["plan", "--model", tiny_moe, "--nodes", "1:2", "--json"]) == 2
+    assert capsys.readouterr().err.endswith("error: --nodes, --json: plan --fleet only\n")
+    assert main(["plan", "--model", tiny_moe]) == 2
+    assert "plan needs --world-size W" in capsys.readouterr().err
+
+
+@pytest.fixture
+def tiny_moe(tmp_path) -> str:
+    import transformers
+
+    transformers.Qwen3MoeConfig(
+        vocab_size=1024, hidden_size=128, intermediate_size=256, moe_intermediate_size=128, num_experts=16,
+        num_experts_per_tok=4, decoder_sparse_step=1, mlp_only_layers=[], num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, num_hidden_layers=3, tie_word_embeddings=False).save_pretrained(tmp_path / "moe")
+    return str(tmp_path / "moe" / "config.json")
+
+
+class _Draws:
+    """A stand-in for random.Random whose preemptions come after the given delays (then never)."""
+
+    def __init__(self, *delays: float):
+        self.delays = list(delays)
+
+    def expovariate(self, rate: float) -> float:
+        return self.delays.pop(0) if self.delays else math.inf
