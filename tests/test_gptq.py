@@ -83,6 +83,19 @@ def test_batched_equals_one_at_a_time():
     assert untouched.damping == [None] and not untouched.dead.any()
 
 
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_rows_solved_in_passes_equal_one_pass(symmetric, monkeypatch):
+    """A group of many experts' rows is solved a pass of SOLVE_ELEMENTS weights at a time: the same bits as one
+    pass (rows are independent given the Hessian's factor)."""
+    args = QuantizationArgs(num_bits=4, group_size=64, actorder="static", symmetric=symmetric,
+                            observer="memoryless_minmax")
+    w, h = problem(rows=300, cols=256)
+    prep = gptq.prepare(h[None], "static")
+    whole = gptq.solve(w[None], prep, args)
+    monkeypatch.setattr(gptq, "SOLVE_ELEMENTS", 64 * 256)
+    assert torch.equal(gptq.solve(w[None], prep, args), whole)
+
+
 @pytest.mark.slow
 def test_wide_hessian_inverse_in_pieces():
     """Above SHARED_INVERSE_COLS the inverse comes from one (fp64) Cholesky and pieces of a triangular

@@ -31,6 +31,7 @@ from elastic_oneshot.quantization.cholesky import (
 )
 
 DAMPING_RETRIES = 3  # each retry multiplies the damping fraction by 10
+SOLVE_ELEMENTS = 2**27  # weights per pass of `solve`: its fp32 copies of them, 512 MB each at most
 
 
 HESSIAN_BLOCK = 192  # row blocks of the lower triangle
@@ -249,10 +250,24 @@ def solve(weight: torch.Tensor, prep: Prepared, args: QuantizationArgs, block_si
           scale: torch.Tensor | None = None, zero_point: torch.Tensor | None = None) -> torch.Tensor:
     """The O(rows * d^2) part for a batch [B, rows, d] of any rows (rows are independent given `prep`): the
     fake-quantized weight. `scale`, `zero_point`: [B, rows, column groups] from `row_qparams` of the rows' modules;
-    omitted, they come from these rows alone (per-row strategies: channel, group)."""
+    omitted, they come from these rows alone (per-row strategies: channel, group). Rows go in passes of at most
+    SOLVE_ELEMENTS weights, so that the fp32 working set of a group of many experts' rows stays bounded."""
     if scale is None:
         scale, zero_point = qparams(weight, args)
         zero_point = None if args.symmetric else zero_point
+    step = max(1, SOLVE_ELEMENTS // (weight.shape[0] * weight.shape[2]))
+    if weight.shape[1] <= step:
+        return _solve_rows(weight, prep, args, block_size, scale, zero_point)
+    out = torch.empty_like(weight)
+    for r in range(0, weight.shape[1], step):
+        part = slice(r, r + step)
+        out[:, part] = _solve_rows(weight[:, part], prep, args, block_size, scale[:, part],
+                                   None if zero_point is None else zero_point[:, part])
+    return out
+
+
+def _solve_rows(weight: torch.Tensor, prep: Prepared, args: QuantizationArgs, block_size: int, scale: torch.Tensor,
+                zero_point: torch.Tensor | None) -> torch.Tensor:
     batch, rows, cols = weight.shape
     perm = prep.perm
     W = torch.gather(weight.to(torch.float32), -1, perm.unsqueeze(-2).expand(-1, rows, -1))
