@@ -122,7 +122,8 @@ class SourceModel:
                     trust_remote_code=trust_remote_code)
         except (ValueError, KeyError, ImportError) as e:
             self.refuse(str(e).splitlines()[0] if str(e) else type(e).__name__)
-        make_quantizable(skeleton, self.family.experts)
+        with torch.device("meta"):  # the experts' own modules too: a skeleton never holds a weight
+            make_quantizable(skeleton, self.family.experts)
         _build_buffers(skeleton)
         self.family.teach_loader(skeleton)
         return skeleton
