@@ -21,7 +21,6 @@ and the replay, no lost work). Preemptions are exponential per node; each row is
 
 import bisect
 import collections
-import contextlib
 import dataclasses
 import json
 import math
@@ -153,35 +152,13 @@ class ModelWork:
     layers: list[LayerWork]
 
 
-@contextlib.contextmanager
-def _meta_parameters():
-    """Parameters created inside go to the meta device (buffers stay real, as SourceModel builds them): experts
-    split into Linear modules (moe.make_quantizable) would otherwise be allocated on the host, 58 GB for
-    Qwen3-30B-A3B, just to read their shapes."""
-    import torch
-
-    register = torch.nn.Module.register_parameter
-
-    def on_meta(module, name, param):
-        if param is not None and not param.is_meta:
-            param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-        register(module, name, param)
-
-    torch.nn.Module.register_parameter = on_meta
-    try:
-        yield
-    finally:
-        torch.nn.Module.register_parameter = register
-
-
 def model_work(model: str, recipe, all_experts: bool = True) -> ModelWork:
     """The work of every layer, from the model's config alone (SourceModel's meta skeleton); identical layers
     are computed once."""
     from elastic_oneshot.models.source import SourceModel
     from elastic_oneshot.quantization.schemes import column_width
 
-    with _meta_parameters():
-        source = SourceModel(model)
+    source = SourceModel(model)
     schemes = recipe.module_schemes(source.skeleton, source.family)
     config = source.config.get_text_config()
     top_k = next((getattr(config, k) for k in TOP_K if getattr(config, k, None)), None)
