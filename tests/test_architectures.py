@@ -150,12 +150,13 @@ def test_guard_names_what_would_be_missing(tmp_path, monkeypatch):
     """A shared expert dropped from the written weights (the silent corruption of before): the export fails with
     its names, and nothing is moved into place."""
     model = make_tiny(str(tmp_path / "qwen2_moe"), "qwen2_moe", moe=True)
-    write = export_module._write_weights
+    tensors = export_module._tensors
 
-    def drop_shared(directory, source, quantized):
-        write(directory, source, {k: v for k, v in quantized.items() if ".shared_expert.up_proj." not in k})
+    def drop_shared(source, starts, layer_tensors):
+        return tensors(source, starts, lambda layer: {k: v for k, v in layer_tensors(layer).items()
+                                                      if ".shared_expert.up_proj." not in k})
 
-    monkeypatch.setattr(export_module, "_write_weights", drop_shared)
+    monkeypatch.setattr(export_module, "_tensors", drop_shared)
     with pytest.raises(UsageError, match=r"not usable \(2 Linear modules neither quantized nor in ignore: "
                                          r"model.layers.0.mlp.shared_expert.up_proj, model"):
         oneshot(model=model, num_calibration_samples=8, max_seq_length=32, group_size=32,

@@ -5,8 +5,10 @@ weight file the commit names reads back with its digest (state.py). Before the c
 groups as soon as they are solved (sub-layer progress, `write_solved`); rank 0's commit names the records that
 cover every group of the layer, as their writers returned them, once they are durable: the runner commits a layer
 while the next one computes, in layer order. Restarts check the files' sizes, and read back against their digests
-the layers they replay; the end of a run reads everything back once (`verified`), and the export builds from what
-it read. A commit also names the newest boundary that became durable since the last one (boundaries.py); a restart
+the layers they replay (`verified`); the end of a run reads everything back once, through the export, which checks
+each layer's digests as it streams it out (`tensors`: one layer held at a time, where keeping every file's bytes
+would hold the whole compressed model), and a layer that fails there is excluded by the next `verified`, to be
+redone. A commit also names the newest boundary that became durable since the last one (boundaries.py); a restart
 replays from the newest durable boundary at or below the layer it needs. The runner, the export and `status` read
 progress here.
 """
@@ -32,33 +34,33 @@ class CommitProtocol:
         self.state, self.records = state, records
         self.view: dict[int, int] = {} if view is None else view
         self._read: dict[str, bytes] = {}  # files of the layers a restart replays, read back by `verified`
+        self._damaged: dict[tuple[int, int], str] = {}  # (layer, epoch) -> why `tensors` found its commit unreadable
 
     # -- reading ------------------------------------------------------------------------------------
-    def verified(self, deep: bool = False) -> dict[int, int]:
-        """The committed layers whose commits read and whose weight files have the sizes their commits record;
-        the others are to be redone. Reading every file back at each restart would cost the compressed model so
-        far, so only the layers a restart replays are read against their digests too, or all with `deep` (at the
-        end of a run). What is read is kept for `tensors` (the replay's, or the export's), unless a layer failed."""
+    def verified(self) -> dict[int, int]:
+        """The committed layers whose commits read and whose weight files have the sizes their commits record,
+        less those `tensors` found damaged; the others are to be redone. Reading every file back at each restart
+        would cost the compressed model so far, so only the layers a restart replays are read against their digests
+        too, and kept for `tensors` (the replay's); none if every layer is committed (the export reads them all, one
+        at a time)."""
         valid, manifests, listed, self._read = {}, {}, {}, {}
-        committed = sorted(self.records.committed().items())
-        for layer, epoch in committed:
+        for layer, epoch in sorted(self.records.committed().items()):
             try:
-                manifest = self.records.manifest(layer, epoch)
-                manifests[layer] = self._verify(manifest, layer, epoch, listed, deep, keep=deep)
+                if (layer, epoch) in self._damaged:
+                    raise CorruptStateError(self._damaged[layer, epoch])
+                manifests[layer] = self._verify(self.records.manifest(layer, epoch), layer, epoch, listed)
                 valid[layer] = epoch
             except CorruptStateError as e:
                 log.warning("layer %d will be redone: %s", layer, e)
-        checked = set(valid) if deep else set()
+        checked = set(valid) if len(valid) == self.state.job()["num_layers"] else set()  # then none is replayed
         while todo := [layer for layer in _replayed(valid, manifests) if layer not in checked]:
             for layer in todo:
                 checked.add(layer)
                 try:
-                    self._verify(manifests[layer], layer, valid[layer], listed, deep=True, keep=True)
+                    self._verify(manifests[layer], layer, valid[layer], listed, deep=True)
                 except CorruptStateError as e:
                     log.warning("layer %d will be redone: %s", layer, e)
                     del valid[layer]
-        if deep and len(valid) < len(committed):
-            self._read = {}  # a redo comes first
         return valid
 
     def manifest(self, layer: int) -> dict:
@@ -67,28 +69,30 @@ class CommitProtocol:
 
     def tensors(self, layer: int) -> dict[str, torch.Tensor]:
         """The compressed tensors of a layer in `view`: from the bytes `verified` read back (once), else read now
-        and checked against their digests (CorruptStateError if they do not match, or the commit is missing)."""
-        manifest, out = self.manifest(layer), {}
-        if manifest is None:
-            raise CorruptStateError(f"the commit of layer {layer} in epoch {self.view[layer]} is missing")
-        for record in manifest["weights"]:
-            data = self._read.pop(record["path"], None)
-            out.update(self.state.read_tensors(record) if data is None else st_load(data))
+        and checked against their digests. CorruptStateError if they do not match, or the commit is missing: the
+        layer is then damaged, and the next `verified` leaves it out."""
+        epoch, out = self.view[layer], {}
+        try:
+            manifest = self.records.manifest(layer, epoch)
+            if manifest is None:
+                raise CorruptStateError(f"the commit of layer {layer} in epoch {epoch} is missing")
+            for record in manifest["weights"]:
+                data = self._read.pop(record["path"], None)
+                out.update(self.state.read_tensors(record) if data is None else st_load(data))
+        except CorruptStateError as e:
+            self._damaged[layer, epoch] = str(e)
+            raise
         return out
 
-    def _verify(self, manifest: dict | None, layer: int, epoch: int, listed: dict, deep: bool,
-                keep: bool = False) -> dict:
+    def _verify(self, manifest: dict | None, layer: int, epoch: int, listed: dict, deep: bool = False) -> dict:
         """`manifest`, the records' commit of `layer` in `epoch`, if it exists and its weight files check out:
-        read back against their digests if `deep` (and the bytes kept for `tensors` with `keep`), else their sizes
-        against `listed` (folder -> {name: size}, filled here with one listing per folder). CorruptStateError
-        otherwise."""
+        read back against their digests if `deep` (and the bytes kept for `tensors`), else their sizes against
+        `listed` (folder -> {name: size}, filled here with one listing per folder). CorruptStateError otherwise."""
         if manifest is None:
             raise CorruptStateError(f"the commit of layer {layer} in epoch {epoch} is missing")
         for record in manifest["weights"]:
             if deep:
-                data = self.state.read_bytes(record)
-                if keep:
-                    self._read[record["path"]] = data
+                self._read[record["path"]] = self.state.read_bytes(record)
                 continue
             folder, name = record["path"].rsplit("/", 1)
             if folder not in listed:

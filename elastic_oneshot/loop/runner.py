@@ -16,7 +16,8 @@ import dataclasses
 import logging
 import os
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
@@ -27,7 +28,7 @@ from elastic_oneshot.durability.boundaries import Boundaries, Priority, mtbf_fro
 from elastic_oneshot.durability.protocol import CommitProtocol
 from elastic_oneshot.durability.records import Records
 from elastic_oneshot.durability.state import StateStore
-from elastic_oneshot.errors import StaleEpochError
+from elastic_oneshot.errors import CorruptStateError, StaleEpochError
 from elastic_oneshot.loop.calibration import Calibration
 from elastic_oneshot.loop.data import chunk_bounds, partition
 from elastic_oneshot.loop.inputs import LayerInputs, to_device
@@ -130,9 +131,22 @@ class Runner:
             log.info("epoch %d, world size %d: %d of %d layers committed; next is layer %s", self.epoch,
                      self.world.size, len(self.committed), self.source.num_layers, todo[0] if todo else "none")
 
-    def run(self):
-        """Process every uncommitted layer; then check everything once more, reading it back (a file can be
-        damaged after its commit) and, if something fails, redo it in a new epoch."""
+    def run(self, final: Callable[[CommitProtocol], None]):
+        """Process every uncommitted layer; then rank 0 calls `final` (the export's weights), which reads every
+        committed file back once, against its digest (a file can be damaged after its commit): if some fail, their
+        layers are redone in a new epoch, and `final` is called again. Meanwhile the other ranks wait in collectives
+        of a second each (one as long as the export would time out). If `final` fails otherwise, every rank leaves
+        the process group and rank 0 raises its error."""
+        def finished():  # rank 0: "done", or the layers that still verify if `final` found damaged ones
+            try:
+                final(self.protocol)
+                return "done"
+            except CorruptStateError:
+                valid = self.protocol.verified()  # less the layers `final` found damaged
+                if valid == self.committed:
+                    raise
+                return valid
+
         self.begin_epoch()
         self.progress = LayerBar(self.source.num_layers, len(self.committed), show=self.rank == 0)
         with torch.inference_mode():
@@ -145,11 +159,24 @@ class Runner:
                             signals.check(f"before layer {layer}")
                         self.process(layer)
                 self.settle()
-                valid = self.protocol.verified(deep=True) if self.rank == 0 else None
-                if self.world.broadcast_object(valid == self.committed if self.rank == 0 else None):
+                outcome = None
+                if self.rank == 0:
+                    with ThreadPoolExecutor(max_workers=1) as pool:  # outside inference mode, as a thread's own
+                        work = pool.submit(finished)
+                        while wait([work], timeout=1.0).not_done:
+                            self.world.broadcast_object(None)  # still at it
+                    try:
+                        outcome = work.result()
+                    except BaseException:
+                        self.world.broadcast_object("failed")
+                        self.world.close()  # with the others, which return; this rank reports the error
+                        raise
+                while (outcome := self.world.broadcast_object(outcome)) is None:
+                    pass
+                if outcome in ("done", "failed"):
                     self.boundaries.drain()
                     return
-                self.begin_epoch(valid)
+                self.begin_epoch(outcome)
 
     # -- one layer ------------------------------------------------------------------------------------
     def process(self, layer: int):

@@ -25,7 +25,7 @@ from elastic_oneshot.quantization.plan import describe, layer_groups, make_plan
 from elastic_oneshot.quantization.recipe import Recipe
 from elastic_oneshot.quantization.recipe_loader import load_recipe
 from elastic_oneshot.surface.evaluate import perplexity
-from elastic_oneshot.surface.export import export
+from elastic_oneshot.surface.export import Export
 from elastic_oneshot.surface.preflight import check_locations, check_seq_len
 
 log = logging.getLogger("elastic_oneshot")
@@ -76,17 +76,18 @@ def oneshot(model: str | None = None, dataset: str = "builtin", scheme: str = "W
     fault = _record_faults(state, world, runner)
     if eval_samples and world.rank == 0:
         before = perplexity(job.model, dataset, eval_samples, job.seq_len, text_column)
-    try:
-        runner.run()
-    except StaleEpochError as e:
-        if world.rank == 0:
-            fault("stale", error=str(e))
-        raise
-    world.close()
-    records.detach()
-    if world.rank != 0:
-        return output_dir
-    export(state, records, destination, source, schemes, runner.protocol)
+    with Export(state, destination, source, schemes, repair=True) as build:
+        try:  # the export's weights are the run's last step, its one read of the committed layers
+            runner.run(build.weights)
+        except StaleEpochError as e:
+            if world.rank == 0:
+                fault("stale", error=str(e))
+            raise
+        world.close()
+        records.detach()
+        if world.rank != 0:
+            return output_dir
+        build.finish()  # without a process group: compressed-tensors would run collectives on one
     log.info("wrote %s", output_dir)
     if eval_samples:
         _compare(before, output_dir, dataset, eval_samples, job.seq_len, text_column)

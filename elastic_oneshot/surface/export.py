@@ -3,14 +3,24 @@
 It is built whole in a local directory that its destination lends (destination.py: OUT.partial beside a local OUT,
 or a temporary directory for an object-store prefix), and published only when complete and loadable (loadable.py).
 Its marker goes in first (an interrupted export is known as the job's) and is rewritten last with every file.
+
+The weights stream, so that host memory does not grow with depth (it held the whole compressed model before): tensors
+go out in name order, in which each decoder layer's names are contiguous; each committed layer is read, against its
+digests, when the walk reaches it, and each shard is written as soon as it is full, under a temporary name until
+their count is known. At most one layer and one shard are held. At the end of a run this is the one read of the
+compressed model, and the run's last check (`Export`): a layer damaged since its commit is redone, then exported.
 """
 
+import contextlib
 import errno
+import heapq
 import json
 import os
 import re
 import shutil
+from collections.abc import Callable, Iterable, Iterator
 
+import torch
 from compressed_tensors.compressors import ModelCompressor
 from safetensors import SafetensorError
 from safetensors.torch import save_file
@@ -30,45 +40,115 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgp
 
 
 def export(state: StateStore, records: Records, destination: Destination, source: SourceModel | None = None,
-           schemes: dict | None = None, protocol: CommitProtocol | None = None):
-    """Write the checkpoint of the job in `state`, whose commits `records` holds, to `output` (replacing this
-    job's previous one); only a finished state can be exported. `source`, `schemes` (the recipe's
-    module_schemes) and `protocol` (holding the files its last check read back), when the run that finished has
-    them."""
-    record = state.job()
-    job = Job.from_dict(record["job"])
-    fingerprint = record["fingerprint"]
-    check_separate(model=job.model, state=state.root, output=destination.local)
-    destination.preflight()
-    destination.check(fingerprint, state.root)
-    source = source or SourceModel(job.model, job.trust_remote_code, job.attention)
-    if source.digest() != record["identity"]["model"]:
-        raise UsageError(f"model {job.model} has changed since the state was created")
-    quantized = _committed_weights(protocol or CommitProtocol(state, records, records.committed()), record)
-    with destination.building(fingerprint) as built:  # removed if anything fails: nothing half-written stays
+           schemes: dict | None = None):
+    """`elastic-oneshot export`: the checkpoint of the finished job in `state`, whose commits `records` holds."""
+    with Export(state, destination, source, schemes) as build:
+        build.weights(CommitProtocol(state, records, records.committed()))
+        build.finish()
+
+
+class Export:
+    """The checkpoint of the job in `state` for `destination` (replacing this job's previous one), built in two
+    steps inside `with`, which removes what is half-built if anything fails: `weights` streams the committed layers
+    (each read once, against its digests) and the source's other tensors into shards; `finish` adds the other files,
+    checks that transformers would load the checkpoint, and puts it in place.
+
+    At the end of a run, `weights` is the run's last step, on rank 0, so that a layer damaged since its commit is
+    redone (then `weights` again); `finish` follows once the ranks have left the process group: its check builds the
+    model through compressed-tensors, which runs collectives of its own on an initialized one. `source` and
+    `schemes` (the recipe's module_schemes) when the run has them. With `repair` (the run's), a damaged layer raises
+    CorruptStateError once every other layer is read too, each damaged one marked in the protocol for the next
+    `verified` to leave out; without it, the first is a UsageError that says to rerun `run`."""
+
+    def __init__(self, state: StateStore, destination: Destination, source: SourceModel | None = None,
+                 schemes: dict | None = None, repair: bool = False):
+        self.state, self.destination, self.repair = state, destination, repair
+        self.source, self.schemes = source, schemes
+        self.partial: str | None = None  # where it is built, once `weights` has begun
+        self._building = contextlib.ExitStack()
+
+    def __enter__(self) -> "Export":
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        return self._building.__exit__(*exc)
+
+    def weights(self, protocol: CommitProtocol):
+        """The weights, from the committed layers of `protocol.view` (only a finished job can be exported)."""
+        if self.partial is None:
+            self._check()
+        for layer in range(self.num_layers):
+            if layer not in protocol.view:
+                raise UsageError(f"layer {layer} of {self.num_layers} is not committed: "
+                                 "finish the job with `elastic-oneshot run` first")
+        if self.partial is None:
+            self.partial = self._building.enter_context(self.destination.building(self.fingerprint))
+        shutil.rmtree(self.partial, ignore_errors=True)  # an earlier attempt's, whose damaged layers are redone
+        read: set[int] = set()
+
+        def layer_tensors(layer: int) -> dict:
+            read.add(layer)
+            try:
+                return protocol.tensors(layer)
+            except CorruptStateError as e:
+                if self.repair:
+                    raise
+                raise UsageError(f"layer {layer} failed verification ({e}): rerun `elastic-oneshot run`") from None
+
         try:
-            _build(built, fingerprint, source, quantized, job, schemes)
-        except (OSError, SafetensorError) as e:  # a full or failing disk
-            raise StorageError(built, _os_error(e)) from None
-        destination.publish(built, fingerprint)
+            with _writing(self.partial):
+                os.makedirs(self.partial)
+                write_marker(self.partial, self.fingerprint, [])  # an interrupted export is known as ours
+            _write_weights(self.partial, _tensors(self.source, _starts(self.source, self.schemes, self.num_layers),
+                                                  layer_tensors))
+        except CorruptStateError:  # every damaged layer is found in this one read, to be redone at once
+            shutil.rmtree(self.partial, ignore_errors=True)
+            for layer in sorted(set(range(self.num_layers)) - read):
+                with contextlib.suppress(CorruptStateError):
+                    protocol.tensors(layer)
+            raise
+
+    def finish(self):
+        """The other files beside the weights, the guard (loadable.py), the marker again with every file, and the
+        checkpoint in place."""
+        partial, source, job = self.partial, self.source, self.job
+        with _writing(partial):
+            for fname in sorted(os.listdir(source.path)):
+                src = os.path.join(source.path, fname)
+                if os.path.isfile(src) and fname not in ("config.json", MARKER) and \
+                        not fname.endswith(WEIGHT_SUFFIXES):
+                    shutil.copyfile(src, os.path.join(partial, fname))
+            shutil.copyfile(os.path.join(source.path, "config.json"), os.path.join(partial, "config.json"))
+            quantization = job.recipe.quantization_config(source.skeleton, self.schemes)
+            ModelCompressor(quantization_config=quantization).update_config(partial)
+            check_loadable(partial, source, quantization, job.trust_remote_code)
+            write_marker(partial, self.fingerprint, sorted(set(os.listdir(partial)) - {MARKER}))
+        self.destination.publish(partial, self.fingerprint)
+
+    def _check(self):
+        """Before anything is written: the state, the destination and the model."""
+        record = self.state.job()
+        self.job, self.fingerprint, self.num_layers = Job.from_dict(record["job"]), record["fingerprint"], \
+            record["num_layers"]
+        check_separate(model=self.job.model, state=self.state.root, output=self.destination.local)
+        self.destination.preflight()
+        self.destination.check(self.fingerprint, self.state.root)
+        job = self.job
+        self.source = self.source or SourceModel(job.model, job.trust_remote_code, job.attention)
+        if self.source.digest() != record["identity"]["model"]:
+            raise UsageError(f"model {job.model} has changed since the state was created")
+        if self.schemes is None:
+            self.schemes = job.recipe.module_schemes(self.source.skeleton, self.source.family)
 
 
-def _build(partial: str, fingerprint: str, source: SourceModel, quantized: dict, job: Job, schemes: dict | None):
-    """The whole checkpoint in `partial`, its marker first (an interrupted export is known as ours) and last."""
-    os.makedirs(partial)
-    write_marker(partial, fingerprint, [])
-    _write_weights(partial, source, quantized)
-    for fname in sorted(os.listdir(source.path)):
-        src = os.path.join(source.path, fname)
-        if os.path.isfile(src) and fname not in ("config.json", MARKER) and not fname.endswith(WEIGHT_SUFFIXES):
-            shutil.copyfile(src, os.path.join(partial, fname))
-    shutil.copyfile(os.path.join(source.path, "config.json"), os.path.join(partial, "config.json"))
-    if schemes is None:
-        schemes = job.recipe.module_schemes(source.skeleton, source.family)
-    quantization = job.recipe.quantization_config(source.skeleton, schemes)
-    ModelCompressor(quantization_config=quantization).update_config(partial)
-    check_loadable(partial, source, quantization, job.trust_remote_code)
-    write_marker(partial, fingerprint, sorted(set(os.listdir(partial)) - {MARKER}))
+@contextlib.contextmanager
+def _writing(partial: str):
+    """A full or failing disk where the checkpoint is built: the one storage error, naming `partial`. (The committed
+    layers are read outside: their errors name the state.)"""
+    try:
+        yield
+    except (OSError, SafetensorError) as e:
+        raise StorageError(partial, _os_error(e)) from None
 
 
 def _os_error(e: Exception) -> OSError:
@@ -79,41 +159,88 @@ def _os_error(e: Exception) -> OSError:
     return OSError(int(code.group(1)), os.strerror(int(code.group(1)))) if code else OSError(errno.EIO, str(e))
 
 
-def _committed_weights(protocol: CommitProtocol, record: dict) -> dict:
-    quantized: dict = {}
-    for layer in range(record["num_layers"]):
-        if layer not in protocol.view:
-            raise UsageError(f"layer {layer} of {record['num_layers']} is not committed: "
-                             "finish the job with `elastic-oneshot run` first")
-        try:
-            quantized.update(protocol.tensors(layer))
-        except CorruptStateError as e:
-            raise UsageError(f"layer {layer} failed verification ({e}): rerun `elastic-oneshot run`") from None
-    return quantized
+def _starts(source: SourceModel, schemes: dict, num_layers: int) -> dict[int, str]:
+    """Per layer, a name at or below every name its quantized tensors are written under (each is a quantized
+    module's name as stored, a dot, and a leaf): the least of those modules' names with the dot; "" for a layer
+    with none (read first: it holds nothing)."""
+    starts = dict.fromkeys(range(num_layers), "")
+    for layer, modules in enumerate(source.by_layer(list(schemes))):
+        stored = [source.stored_name(f"{source.layer_prefix}{layer}.{m}.weight").rpartition(".")[0] for m in modules]
+        starts[layer] = min((f"{name}." for name in stored), default="")
+    return starts
 
 
-def _write_weights(directory: str, source: SourceModel, quantized: dict):
-    """The source's tensors with the quantized ones in place of the weights they replace, in shards, under the
-    names the source stores them by."""
-    quantized = {source.stored_name(k): v for k, v in quantized.items()}
-    replaced = {k.rsplit(".", 1)[0] + ".weight" for k in quantized}
-    names = sorted([n for n in source.weight_map if n not in replaced] + list(quantized))
-    shards, current, size = [], {}, 0
-    for name in names:
-        tensor = quantized[name] if name in quantized else source.read_stored([name])[name]
-        nbytes = tensor.numel() * tensor.element_size()
-        if current and size + nbytes > SHARD_BYTES:
-            shards.append(current)
-            current, size = {}, 0
+def _tensors(source: SourceModel, starts: dict[int, str],
+             layer_tensors: Callable[[int], dict]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors in name order, under the names the source stores them by: the source's, with each
+    layer's quantized ones (`layer_tensors`, by skeleton name) in place of the weights they replace. A layer is read
+    once the walk reaches `starts[layer]`, so that its names are known before any name after them goes out; each
+    tensor is let go as it goes out. Each layer's names being contiguous, one layer is held at a time."""
+    order = sorted(starts, key=lambda layer: (starts[layer], layer))
+    names = iter(sorted(source.weight_map))
+    name = next(names, None)
+    pending, heap, replaced, last = {}, [], set(), None
+    while True:
+        while order and (name is None or starts[order[0]] <= name):
+            for key, tensor in layer_tensors(order.pop(0)).items():
+                stored = source.stored_name(key)
+                pending[stored] = tensor
+                heapq.heappush(heap, stored)
+                replaced.add(stored.rsplit(".", 1)[0] + ".weight")
+        if heap and (name is None or heap[0] < name):
+            out = heapq.heappop(heap)
+            tensor = pending.pop(out)
+        elif name is None:
+            return
+        else:
+            out, name = name, next(names, None)
+            if out in replaced:
+                continue
+            tensor = source.read_stored([out])[out]
+        if last is not None and out <= last:  # a quantized tensor below its layer's start: not in name order
+            raise RuntimeError(f"export: {out} would follow {last}")
+        last = out
+        yield out, tensor
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def shards(tensors: Iterable[tuple[str, object]], limit: int, size: Callable = _nbytes) -> Iterator[dict]:
+    """Consecutive (name, tensor) in shards of at most `limit` bytes by `size` (a larger tensor alone in one; at
+    least one shard, if empty), each as soon as the next tensor does not fit it: a caller streaming `tensors` and
+    letting each shard go holds one. The split depends only on the names' order and their sizes."""
+    current, total = {}, 0
+    for name, tensor in tensors:
+        nbytes = size(tensor)
+        if current and total + nbytes > limit:
+            yield current
+            current, total = {}, 0
         current[name] = tensor
-        size += nbytes
-    shards.append(current)
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        fname = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, os.path.join(directory, fname), metadata={"format": "pt"})
-        weight_map.update({n: fname for n in shard})
-    if len(shards) > 1:
-        total = sum(t.numel() * t.element_size() for s in shards for t in s.values())
-        with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2, sort_keys=True)
+        total += nbytes
+    yield current
+
+
+def _write_weights(directory: str, tensors: Iterable[tuple[str, torch.Tensor]]):
+    """The checkpoint's tensors (in name order) in shards of SHARD_BYTES, each written as soon as it is full,
+    under a temporary name until the count is known; an index if more than one."""
+    written, weight_map, total = [], {}, 0
+    for shard in shards(tensors, SHARD_BYTES):
+        written.append(os.path.join(directory, f"model-{len(written) + 1:05d}.safetensors.partial"))
+        with _writing(directory):
+            save_file(shard, written[-1], metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, len(written)))
+        total += sum(_nbytes(t) for t in shard.values())
+        del shard  # before the next one is gathered
+    count = len(written)
+    names = ["model.safetensors"] if count == 1 else \
+        [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+    with _writing(directory):
+        for path, fname in zip(written, names):
+            os.replace(path, os.path.join(directory, fname))
+        if count > 1:
+            with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
+                json.dump({"metadata": {"total_size": total}, "weight_map": {n: names[i - 1] for n, i in
+                                                                             weight_map.items()}},
+                          f, indent=2, sort_keys=True)
