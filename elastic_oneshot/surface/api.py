@@ -194,9 +194,10 @@ def _restore_tokens(state: StateStore, job: Job):
         state.restore_tokens(_draw(job))
 
 
-def plan(model: str, world_size: int, recipe: Recipe | None = None, layers: int | None = None) -> list[str]:
+def plan(model: str, world_size: int, recipe: Recipe | None = None, layers: int | None = None,
+         all_experts: bool = True) -> list[str]:
     """The weight-parallel GPTQ plan of every layer, as text, consecutive layers with the same plan once; needs
-    only the model's config.json."""
+    only the model's config.json. `all_experts`: grouped as `run --moe-calibrate all` (its default) groups them."""
     recipe = recipe or Recipe()
     source = SourceModel(model)
     names = list(recipe.module_schemes(source.skeleton, source.family))
@@ -206,8 +207,8 @@ def plan(model: str, world_size: int, recipe: Recipe | None = None, layers: int 
     for index in range(source.num_layers if layers is None else min(layers, source.num_layers)):
         prefix = f"{source.layer_prefix}{index}."
         local = [n[len(prefix):] for n in names if n.startswith(prefix)]
-        described = describe(make_plan(layer_groups(source.layers[index], local, source.family.shared_inputs),
-                                       world_size))
+        described = describe(make_plan(layer_groups(source.layers[index], local, source.family.shared_inputs,
+                                                    all_experts), world_size))
         if runs and runs[-1][2] == described:
             runs[-1] = (runs[-1][0], index, described)
         else:

@@ -207,14 +207,14 @@ def _plan(args):
         options = fleet.options({n: getattr(args, n) for n in FLEET_ONLY if n != "plot"})
         fleet.show(args.model, recipe, options, as_json=args.json, plot=args.plot, scheme=args.scheme)
         return
-    if given := [n for n in (*FLEET_ONLY, "json") if getattr(args, n) not in (None, False)]:
+    if given := [n for n in (*FLEET_ONLY, "json") if getattr(args, n) not in (None, False) and n != "moe_calibrate"]:
         raise UsageError(f"{flags(given)}: plan --fleet only")
     if args.world_size is None:
         raise UsageError("plan needs --world-size W (the weight-parallel plan), or --fleet (time, cost and risk on "
                          "spot nodes)")
     from elastic_oneshot.surface.api import plan
 
-    print("\n".join(plan(args.model, args.world_size, recipe, args.layers)))
+    print("\n".join(plan(args.model, args.world_size, recipe, args.layers, args.moe_calibrate != "routed")))
 
 
 def _command(args):
