@@ -1,5 +1,6 @@
 """Mixture of experts (Qwen3-MoE): all-expert calibration, parity with llmcompressor, restarts, round trip."""
 
+import logging
 import os
 import re
 import signal
@@ -15,7 +16,7 @@ from elastic_oneshot.loop.data import heldout_samples
 from elastic_oneshot.models.moe import Experts
 from elastic_oneshot.models.source import SourceModel
 from elastic_oneshot.testing.peer import run_peer
-from elastic_oneshot.testing.runs import int_codes, one_thread_env, run_cli, torchrun_cmd, workers
+from elastic_oneshot.testing.runs import int_codes, one_thread_env, run_cli, torchrun_cmd, tree_digest, workers
 from elastic_oneshot.testing.tiny import make_moe, make_tiny, make_tiny_multimodal
 
 SAMPLES, SEQ, GROUP = 16, 128, 32
@@ -107,6 +108,17 @@ def test_moe_checkpoint_round_trips_through_transformers(tiny_moe, ours):
     print(f"\nrelative logit error of the quantized MoE: {err:.4f}")
     assert 0 < err < 0.6
     assert quantized.generate(input_ids=ids[:1, :8], max_new_tokens=4, do_sample=False).shape == (1, 12)
+
+
+def test_experts_in_batches_under_max_memory_give_the_same_bits(tiny_moe, ours, tmp_path, caplog):
+    """--max-memory below one layer's Hessians: each layer is calibrated and solved a batch of groups at a time
+    (one more pass over its inputs per batch), and the checkpoint is the one of a single batch."""
+    with caplog.at_level(logging.INFO, logger="elastic_oneshot"):
+        out = oneshot(model=tiny_moe, num_calibration_samples=SAMPLES, max_seq_length=SEQ, group_size=GROUP,
+                      chunk_size=SAMPLES, output_dir=str(tmp_path / "out"), max_memory="1MB")
+    assert re.findall(r"layer (\d): (\d+) groups in (\d+) batches", caplog.text) == [("0", "11", "11"),
+                                                                                        ("1", "11", "11")]
+    assert tree_digest(out) == tree_digest(ours)
 
 
 @pytest.mark.slow

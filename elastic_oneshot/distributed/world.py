@@ -88,6 +88,16 @@ class World:
         if self.distributed:
             dist.barrier()
 
+    def free_memory(self) -> int:
+        """Bytes free on this rank's device now: the GPU's, or the host's available memory."""
+        if self.device.type == "cuda":
+            return torch.cuda.mem_get_info(self.device)[0]
+        try:
+            with open("/proc/meminfo") as f:
+                return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+        except (OSError, StopIteration):
+            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
     def gather_objects(self, obj) -> list:
         """Every rank's `obj` on every rank (small JSON-like values only)."""
         if not self.distributed:

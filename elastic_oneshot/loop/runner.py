@@ -37,7 +37,7 @@ from elastic_oneshot.models.moe import experts_mode
 from elastic_oneshot.models.source import SourceModel
 from elastic_oneshot.quantization.executor import Executor
 from elastic_oneshot.quantization.packing import LayerPacking
-from elastic_oneshot.quantization.plan import Group, layer_groups, make_plan
+from elastic_oneshot.quantization.plan import Group, layer_groups, make_plan, memory_batches
 from elastic_oneshot.surface.progress import LayerBar
 
 log = logging.getLogger("elastic_oneshot")
@@ -75,10 +75,12 @@ class Computed:
 class Runner:
     """One rank's part of the job. `schemes`: each quantized module's (full name -> QuantizationScheme, the
     recipe's module_schemes); `boundary_every` and `mtbf_s` (None: the job's own, from its events) set how often
-    boundaries are written (boundaries.py)."""
+    boundaries are written (boundaries.py); `max_memory` (bytes; None: 80 % of what the device has free when an
+    epoch begins, the least over ranks) bounds a layer's working set (plan.memory_batches)."""
 
     def __init__(self, job: Job, state: StateStore, records: Records, source: SourceModel, world: World,
-                 schemes: dict, boundary_every: int | None = None, mtbf_s: float | None = None):
+                 schemes: dict, boundary_every: int | None = None, mtbf_s: float | None = None,
+                 max_memory: int | None = None):
         self.job, self.state, self.source, self.world = job, state, source, world
         self.rank, self.device = world.rank, world.device
         self.protocol = CommitProtocol(state, records)
@@ -95,7 +97,7 @@ class Runner:
                                         own, self.device, self.protocol)
         self.boundaries = Boundaries(state, _io_thread(), boundary_every, source.num_layers, len(self.chunks),
                                      self.priority)
-        self.mtbf_s = mtbf_s
+        self.mtbf_s, self.max_memory, self.memory = mtbf_s, max_memory, 0
 
     # -- epochs ---------------------------------------------------------------------------------------
     def begin_epoch(self, valid: dict[int, int] | None = None):
@@ -121,6 +123,7 @@ class Runner:
         if todo:
             self.inputs.prefetch(todo[0], self.io)  # the boundary downloads while the epoch is set up
         self.fresh = True  # the epoch's first layer is committed at once: a restart's exposure stays one layer
+        self.memory = min(self.world.gather_objects(self.max_memory or int(0.8 * self.world.free_memory())))
         metrics.epoch_began(self.epoch, self.world.size, self.source.num_layers, self.committed,
                             self.boundaries.durable)
         if self.rank == 0:
@@ -190,11 +193,17 @@ class Runner:
             groups = layer_groups(module, self.layer_modules[layer], self.source.family.shared_inputs,
                                   self.job.moe_calibrate == "all")
             tensors, reused, todo = self.reuse_solved(layer, groups)
-        calib = self.calibrate(layer, module, todo, seconds)
-        writes = []  # this rank's writes of solved groups in this attempt
-        with _timed(seconds, "gptq"):
-            solved, notes = self.solve(module, layer, calib, todo, writes)
+        writes, notes = [], {}  # this rank's writes of solved groups in this attempt, and its notes
+        batches = memory_batches(todo, self.memory - sum(t.nbytes for t in module.state_dict().values()))
+        if len(batches) > 1 and self.rank == 0:
+            log.info("layer %d: %d groups in %d batches, to keep within %.1f GB", layer, len(todo), len(batches),
+                     self.memory / 1e9)
+        for batch in batches:
+            calib = self.calibrate(layer, module, batch, seconds)
+            with _timed(seconds, "gptq"):
+                solved, more = self.solve(module, layer, calib, batch, writes)
             tensors.update(solved)
+            notes.update(more)
         with _timed(seconds, "propagate"):
             self.propagate(layer, module, tensors, seconds)
         self.pending.append(Computed(layer, [g.name for g in groups], reused, writes, notes, seconds))
@@ -224,8 +233,8 @@ class Runner:
                     calib.run(module, sample, self.inputs.kwargs(layer))
                 calib.end_chunk()
         calib.remove()
-        seconds["hessian"] = calib.seconds
-        seconds["calibrate"] = time.perf_counter() - start - calib.seconds
+        seconds["hessian"] = seconds.get("hessian", 0.0) + calib.seconds
+        seconds["calibrate"] = seconds.get("calibrate", 0.0) + time.perf_counter() - start - calib.seconds
         return calib
 
     def propagate(self, layer: int, module, tensors: dict, seconds: dict):

@@ -23,6 +23,7 @@ import dataclasses
 import enum
 import re
 
+from elastic_oneshot.errors import UsageError
 from elastic_oneshot.quantization.cholesky import cholesky_panels, inverse_pieces
 
 EXPERT = re.compile(r"(.*\.experts)\.\d+\.(gate_proj|up_proj)$")
@@ -93,6 +94,41 @@ def layer_groups(layer, names: list[str], shared_inputs: tuple[tuple[str, ...], 
     modules = dict(layer.named_modules())
     return [Group(tuple((n, modules[n].out_features) for n in g), modules[g[0]].in_features)
             for g in input_groups(names, shared_inputs, all_experts)]
+
+
+HESSIAN_BYTES = 16  # per Hessian element of a group in calibration: its fp64 total, its fp32 chunk sum, and
+# the normalized fp64 copy the executor takes (sum and copy meet for a moment)
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,
+          "gib": 2**30, "tib": 2**40}
+
+
+def memory_batches(groups: list[Group], budget: int) -> list[list[Group]]:
+    """`groups` in order, in batches whose Hessians fit in `budget` bytes (a group larger than that alone): a
+    layer of many experts is calibrated and solved a batch at a time, so its working set is bounded, at the cost
+    of one more calibration pass over the layer's inputs per batch. Each group's result does not depend on the
+    batches (its Hessian sees the same inputs), so neither do the bits."""
+    out, used = [[]], 0
+    for g in groups:
+        need = HESSIAN_BYTES * g.cols**2
+        if out[-1] and used + need > budget:
+            out.append([])
+            used = 0
+        out[-1].append(g)
+        used += need
+    return out
+
+
+def parse_bytes(text: str) -> int:
+    """`--max-memory`: bytes, with an optional unit (12GB, 12GiB, 500MB)."""
+    found = re.fullmatch(r"\s*([\d.]+)\s*([a-zA-Z]*)\s*", str(text))
+    unit = _UNITS.get(found.group(2).lower()) if found else None
+    try:
+        value = float(found.group(1)) * unit if unit else 0.0
+    except ValueError:
+        value = 0.0
+    if value < 1:
+        raise UsageError(f"--max-memory {text!r} is not a size in bytes (e.g. 24GB, 16GiB)")
+    return int(value)
 
 
 class StepKind(enum.Enum):

@@ -21,7 +21,7 @@ from elastic_oneshot.loop.job import Job, job_record
 from elastic_oneshot.loop.runner import Runner
 from elastic_oneshot.models.default_model import default_model
 from elastic_oneshot.models.source import SourceModel
-from elastic_oneshot.quantization.plan import describe, layer_groups, make_plan
+from elastic_oneshot.quantization.plan import describe, layer_groups, make_plan, parse_bytes
 from elastic_oneshot.quantization.recipe import Recipe
 from elastic_oneshot.quantization.recipe_loader import load_recipe
 from elastic_oneshot.surface.evaluate import perplexity
@@ -40,7 +40,7 @@ def oneshot(model: str | None = None, dataset: str = "builtin", scheme: str = "W
             chunk_size: int = 8, eval_samples: int = 0, collective_timeout: float = 60.0,
             moe_calibrate_all_experts: bool = True, coordinator: str | None = None,
             attention: str = "eager", allow_long_seq: bool = False, boundary_every: str | int = "auto",
-            mtbf_s: float | None = None, metrics_port: int | None = None) -> str:
+            mtbf_s: float | None = None, metrics_port: int | None = None, max_memory: str | int | None = None) -> str:
     """Compress `model` with GPTQ, resumably; return the output directory (a local one, or an object-store prefix).
     Arguments mirror llmcompressor's `oneshot` where they mean the same. `recipe` is what llmcompressor takes
     (a GPTQModifier, a list of modifiers, a YAML file or text; see recipe_loader) or a Recipe; without it, `scheme`
@@ -49,7 +49,10 @@ def oneshot(model: str | None = None, dataset: str = "builtin", scheme: str = "W
     every rank calls this with the same arguments; rank 0 writes the checkpoint. `coordinator` (etcd://HOST:PORT/
     PREFIX) keeps epochs and commits in etcd. `allow_long_seq` permits `max_seq_length` past max_position_embeddings.
     `boundary_every` (auto, 0 or N layers) and `mtbf_s` set how often activations are written (boundaries.py).
-    `metrics_port` (None: $ELASTIC_ONESHOT_METRICS_PORT; 0: none) serves Prometheus metrics, per rank (metrics.py)."""
+    `metrics_port` (None: $ELASTIC_ONESHOT_METRICS_PORT; 0: none) serves Prometheus metrics, per rank (metrics.py).
+    `max_memory` (bytes, or text such as 24GB; None: 80 % of what the device has free) bounds a layer's working
+    set: a layer of many experts is calibrated and solved in batches that fit (plan.memory_batches)."""
+    max_memory = None if max_memory is None else parse_bytes(max_memory)
     metrics.serve(metrics_port)  # the port is taken first: one that is in use ends this rank before any work
     world = World(timeout_s=collective_timeout)
     model = model or default_model()
@@ -68,7 +71,7 @@ def oneshot(model: str | None = None, dataset: str = "builtin", scheme: str = "W
                                                          allow_long_seq, collective_timeout)
     world.agree("the job (model, dataset, recipe and sampling arguments)", record["fingerprint"])
     world.agree("the coordinator", job.coordinator)
-    runner = Runner(job, state, records, source, world, schemes, parse_every(boundary_every), mtbf_s)
+    runner = Runner(job, state, records, source, world, schemes, parse_every(boundary_every), mtbf_s, max_memory)
     claim = _claim(state, records, record, job, restart, destination) if world.rank == 0 else None
     if error := world.broadcast_object(claim):
         raise UsageError(error)

@@ -77,6 +77,9 @@ def _run_arguments(run):
     run.add_argument("--mtbf", type=float, metavar="SECONDS",
                      help="expected time between failures for --boundary-every auto (default: the job's own, "
                           "from its restarts, else an hour)")
+    run.add_argument("--max-memory", metavar="BYTES",
+                     help="bound a layer's working set on each rank's device, e.g. 24GB (default: 80 %% of what it "
+                          "has free): a layer of many experts is calibrated and solved in batches that fit")
     run.add_argument("--collective-timeout", type=float, default=60.0,
                      help="seconds before a collective gives up on a silent rank (under torchrun)")
     run.add_argument("--coordinator", metavar="URL",
@@ -232,7 +235,8 @@ def _command(args):
                 moe_calibrate_all_experts=args.moe_calibrate == "all", attention=args.attention,
                 eval_samples=args.eval_samples, collective_timeout=args.collective_timeout,
                 recipe=args.recipe, coordinator=args.coordinator, allow_long_seq=args.allow_long_seq,
-                boundary_every=args.boundary_every, mtbf_s=args.mtbf, metrics_port=args.metrics_port)
+                boundary_every=args.boundary_every, mtbf_s=args.mtbf, metrics_port=args.metrics_port,
+                max_memory=args.max_memory)
     elif args.command == "export":
         from elastic_oneshot.durability.destination import open_destination
         from elastic_oneshot.durability.records import open_records
