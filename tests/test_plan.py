@@ -2,8 +2,17 @@
 
 import pytest
 
+from elastic_oneshot.errors import UsageError
 from elastic_oneshot.quantization.cholesky import cholesky_panels, inverse_pieces
-from elastic_oneshot.quantization.plan import Group, StepKind, make_plan, peer_plan
+from elastic_oneshot.quantization.plan import (
+    HESSIAN_BYTES,
+    Group,
+    StepKind,
+    make_plan,
+    memory_batches,
+    parse_bytes,
+    peer_plan,
+)
 
 LLAMA_3_8B = [Group((("q_proj", 4096), ("k_proj", 1024), ("v_proj", 1024)), 4096), Group((("o_proj", 4096),), 4096),
               Group((("gate_proj", 14336), ("up_proj", 14336)), 4096), Group((("down_proj", 4096),), 14336)]
@@ -65,3 +74,19 @@ def test_the_plan_of_identical_layers_is_printed_once(tmp_path):
     print("\n" + "\n".join(lines))
     assert "AMD EPYC" in lines[0] and lines[1] == "layers 0-31:" and len(lines) == 2 + 4 + 1
     assert not any(line.startswith("layer ") for line in lines)
+
+
+def test_memory_batches_keep_each_batch_within_the_budget():
+    groups = [Group(((f"experts.{i}.down_proj", 64),), 100) for i in range(5)]
+    one = HESSIAN_BYTES * 100**2
+    assert memory_batches(groups, 5 * one) == [groups]
+    assert memory_batches(groups, 2 * one + 1) == [groups[0:2], groups[2:4], groups[4:]]
+    assert memory_batches(groups, 1) == [[g] for g in groups]  # a group larger than the budget goes alone
+    assert memory_batches([], 1) == [[]]
+
+
+def test_max_memory_is_a_size_or_one_line():
+    assert parse_bytes("24GB") == 24 * 10**9 and parse_bytes("1.5GiB") == 3 * 2**29 and parse_bytes(4096) == 4096
+    for bad in ("lots", "0", "-1GB", "3 furlongs", "GB"):
+        with pytest.raises(UsageError, match=r"--max-memory .* is not a size in bytes"):
+            parse_bytes(bad)
