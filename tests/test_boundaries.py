@@ -50,9 +50,7 @@ def reports(*ranks):
 def test_a_boundary_is_durable_once_every_chunk_is_written(tmp_path):
     b = Boundaries(StateStore(str(tmp_path)), ThreadPoolExecutor(1), None, num_layers=30, num_chunks=3)
     rec = {"path": "x", "size": 1, "xxh3_128": "0"}
-    assert not b.due(1)  # not before the epoch's first commit, whose files it would share the link with
-    assert b.settle([{**r, "write_s": None} for r in reports(({}, False), ({}, False))]) is None
-    assert b.due(2)  # nothing measured yet: write one
+    assert b.due(1)  # nothing measured yet: write one
     assert b.settle(reports(({4: {"0": rec}}, False), ({}, True))) is None  # rank 1 still writing chunks 1, 2
     assert not b.due(5)  # a write in flight somewhere: skip, never queue
     assert b.settle(reports(({}, False), ({4: {"1": rec, "2": rec}}, False))) == {
@@ -91,9 +89,7 @@ def test_writes_one_in_flight_and_reports_it(tmp_path):
 
 def test_auto_never_writes_closer_than_a_write_takes_nor_too_late_to_be_durable(tmp_path):
     b = Boundaries(StateStore(str(tmp_path)), ThreadPoolExecutor(1), None, 10, 1)
-    assert not b.due(1)  # not before the epoch's first commit
-    b.settle([{"written": {}, "busy": False, "write_s": None, "seconds": {"calibrate": 1.0, "propagate": 0.5}}])
-    assert b.due(2) and not b.due(3)  # the probe, then nothing until a commit reports what it cost
+    assert b.due(1) and not b.due(2)  # the probe, then nothing until a commit reports what it cost
     b.settle([{"written": {}, "busy": False, "write_s": 5.0, "seconds": {"calibrate": 1.0, "propagate": 0.5}}])
     # a write takes 5 s, a layer 1.5 s: at least 4 layers apart, and none once fewer than 4 layers remain
     assert [n for n in range(1, 10) if b.due(n)] == [4, 5, 6]

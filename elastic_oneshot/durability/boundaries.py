@@ -121,9 +121,7 @@ class Boundaries:
             return False
         if self.every is not None:
             return layer % self.every == 0
-        if self._gathered is None:
-            return False  # not before the epoch's first commit, whose files would share the link with it
-        if any(g["write_s"] is None for g in self._gathered):
+        if self._gathered is None or any(g["write_s"] is None for g in self._gathered):
             probe, self._probing = not self._probing, True  # nothing measured yet: write one, learn its cost
             return probe
         if any(g["busy"] for g in self._gathered):
