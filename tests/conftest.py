@@ -1,6 +1,7 @@
 """Fixtures the test modules share; shared helpers live in elastic_oneshot/testing (runs.py, tiny.py, ...)."""
 
 import os
+import signal
 
 import pytest
 import torch
@@ -11,6 +12,15 @@ from launch.chaos import Cluster
 # etcd3's generated code loads only with protobuf's pure-Python runtime, chosen at protobuf's first import: set it
 # before any test module imports etcd3 (as elastic_oneshot.distributed.etcd_client does for the product).
 os.environ.setdefault("PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION", "python")
+
+
+@pytest.fixture(autouse=True)
+def _signal_mask():
+    """The CLI's main() blocks SIGTERM for its sigwait thread; called in-process, it would leave pytest's mask so
+    and every later subprocess (a torchrun agent told to stop, say) would inherit a blocked SIGTERM."""
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    yield
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 @pytest.fixture(scope="session")

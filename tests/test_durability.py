@@ -154,8 +154,7 @@ def test_a_record_damaged_before_its_commit_is_redone(part, deep_llama, referenc
 
 def test_commits_land_in_layer_order_while_the_next_layer_computes(deep_llama, reference, tmp_path, monkeypatch):
     """Commits are written behind: layer 3 computes while layer 2's files upload, and when layer 2's upload is
-    the slowest of the run, layer 3's commit still waits for layer 2's. The epoch's first layer is committed at
-    once, so that a restart's work is exposed for one layer only."""
+    the slowest of the run, layer 3's commit still waits for layer 2's."""
     write_solved, state = CommitProtocol.write_solved, str(tmp_path / "state")
 
     def slow_layer_2(self, layer, epoch, name, groups, tensors):
@@ -170,8 +169,6 @@ def test_commits_land_in_layer_order_while_the_next_layer_computes(deep_llama, r
     assert commits == list(range(8))
     order = [(e["event"], e["layer"]) for e in events]
     assert order.index(("layer", 3)) < order.index(("commit", 2)) < order.index(("commit", 3))
-    first = [order.index(step) for step in (("commit", 0), ("layer", 1), ("layer", 2), ("commit", 1))]
-    assert first == sorted(first)
     assert [e["seconds"]["commit"] > 0.5 for e in events if e["event"] == "commit"] == [i == 2 for i in range(8)]
     assert tree_digest(str(tmp_path / "out")) == reference
 

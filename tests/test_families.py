@@ -7,7 +7,6 @@ missing or unexpected, generating, close to the original."""
 import importlib.util
 import logging
 import os
-import signal
 
 import pytest
 import torch
@@ -124,12 +123,8 @@ def test_a_decoder_whose_layer_call_fails_is_refused_before_any_work(tmp_path, c
     model = make_tiny(str(tmp_path / "raising_llama"), "raising_llama")
     out = tmp_path / "out"
     capsys.readouterr()  # what saving the model printed
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
-    try:
-        code = main(["run", "--model", model, "--output", str(out), "--num-samples", "8", "--seq-len", "32",
-                     "--group-size", "32"])
-    finally:  # main() blocks SIGTERM for its sigwait thread: every later subprocess of pytest would inherit that
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    code = main(["run", "--model", model, "--output", str(out), "--num-samples", "8", "--seq-len", "32",
+                 "--group-size", "32"])  # the signal mask it leaves is restored by conftest
     errors = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert code == 2 and len(errors) == 1, errors
     assert errors[0] == ("elastic-oneshot: error: architecture RaisingForCausalLM (model_type 'raising_llama') is not "

@@ -7,8 +7,8 @@ weights, kept in memory for the next layer), commit. Commits are written behind,
 is committed while layer L+1 computes (rank 0 records L's weight files once every rank's are durable, and
 the newest boundary whose every chunk is: boundaries are written behind too), so the loop waits for the
 link only when it is slower than the computation. A kill loses the layer in flight and at most
-COMMITS_BEHIND computed ones; a SIGTERM waits for those. An epoch's first layer is committed at once, and the
-boundary it replays from is read ahead while the epoch is set up: a restart's cost is bounded by its download.
+COMMITS_BEHIND computed ones; a SIGTERM waits for those. The boundary a restart replays from is read ahead while
+the epoch is set up: a restart's cost is bounded by its download.
 """
 
 import contextlib
@@ -85,7 +85,6 @@ class Runner:
         self.rank, self.device = world.rank, world.device
         self.protocol = CommitProtocol(state, records)
         self.epoch, self.committed = 0, {}  # set by begin_epoch(): this epoch, and layer -> epoch of its commit
-        self.fresh = True  # nothing committed yet in this epoch
         self.schemes = schemes
         self.chunks = chunk_bounds(job.num_samples, job.chunk_size)
         self.layer_modules = source.by_layer(list(schemes))  # per layer, names local to it
@@ -122,7 +121,6 @@ class Runner:
         todo = [layer for layer in range(self.source.num_layers) if layer not in self.committed]
         if todo:
             self.inputs.prefetch(todo[0], self.io)  # the boundary downloads while the epoch is set up
-        self.fresh = True  # the epoch's first layer is committed at once: a restart's exposure stays one layer
         self.memory = min(self.world.gather_objects(self.max_memory or int(0.8 * self.world.free_memory())))
         metrics.epoch_began(self.epoch, self.world.size, self.source.num_layers, self.committed,
                             self.boundaries.durable)
@@ -207,7 +205,7 @@ class Runner:
         with _timed(seconds, "propagate"):
             self.propagate(layer, module, tensors, seconds)
         self.pending.append(Computed(layer, [g.name for g in groups], reused, writes, notes, seconds))
-        self.settle(keep=0 if self.fresh else COMMITS_BEHIND)
+        self.settle(keep=COMMITS_BEHIND)
 
     def reuse_solved(self, layer: int, groups: list[Group]) -> tuple[dict, list[dict], list[Group]]:
         """Sub-layer progress: the compressed tensors of the groups an earlier attempt solved, their records, and
@@ -301,7 +299,6 @@ class Runner:
                     "seconds": dict(c.seconds)}, c.groups, c.reused + [r for m in everyone for r in m["solved"]])
             self.world.barrier()
         self.committed[c.layer] = self.epoch
-        self.fresh = False
         if self.rank == 0:
             self.state.append_event({"event": "commit", "layer": c.layer, "time": time.time(), "epoch": self.epoch,
                                      "world_size": self.world.size, "seconds": c.seconds})
