@@ -196,10 +196,13 @@ class Runner:
         if len(batches) > 1 and self.rank == 0:
             log.info("layer %d: %d groups in %d batches, to keep within %.1f GB", layer, len(todo), len(batches),
                      self.memory / 1e9)
+        packing = LayerPacking(self.schemes, f"{self.source.layer_prefix}{layer}.", dict(module.named_modules()),
+                               self.layer_modules[layer], {}, self.source.family.fused_scales)  # qparams once
         for batch in batches:
             calib = self.calibrate(layer, module, batch, seconds)
+            packing.ranges = calib.ranges  # this batch's, reduced across ranks in place by the executor
             with _timed(seconds, "gptq"):
-                solved, more = self.solve(module, layer, calib, batch, writes)
+                solved, more = self.solve(layer, packing, batch, writes, calib)
             tensors.update(solved)
             notes.update(more)
         with _timed(seconds, "propagate"):
@@ -248,14 +251,13 @@ class Runner:
             with _timed(seconds, "commit"):
                 self.boundaries.submit(layer + 1, self.epoch, outputs)
 
-    def solve(self, layer_module, layer: int, calib: Calibration, groups: list[Group],
-              writes: list) -> tuple[dict, dict]:
-        """GPTQ `groups` across ranks by the plan (executor.py). Sub-layer progress: this rank's owned groups
-        go to storage as soon as they are solved (by the I/O thread, ahead of boundaries; `writes` gets their
-        futures, which the commit waits for). Returns the compressed tensors of these groups and this rank's notes."""
-        modules, tensors, written = dict(layer_module.named_modules()), {}, set()
-        packing = LayerPacking(self.schemes, f"{self.source.layer_prefix}{layer}.", modules, self.layer_modules[layer],
-                               calib.ranges, self.source.family.fused_scales)
+    def solve(self, layer: int, packing: LayerPacking, groups: list[Group], writes: list,
+              calib: Calibration) -> tuple[dict, dict]:
+        """GPTQ `groups` across ranks by the plan (executor.py), packed by the layer's `packing`. Sub-layer
+        progress: this rank's owned groups go to storage as soon as they are solved (by the I/O thread, ahead of
+        boundaries; `writes` gets their futures, which the commit waits for). Returns the compressed tensors of
+        these groups and this rank's notes."""
+        tensors, written = {}, set()
 
         def persist(solved: list):
             packed = {k: v for g, weight in solved for k, v in packing.pack(g, weight).items()}
