@@ -15,7 +15,8 @@ Each design (`--boundary-every 0` and `auto`) runs as its own `elastic-oneshot r
 wall, the seconds the layer loop spent computing and those it waited for storage (the "commit" phase: waiting
 for its own files and for a boundary write to hand over) and their share of wall, bytes written per layer, and
 the CPU seconds the server spent (on this machine it takes them from the run's two cores; on a fleet the store
-is elsewhere); then, for `auto`, a run killed with SIGKILL after --kill-after commits and restarted: the seconds
+is elsewhere); then a run killed with SIGKILL after --kill-after commits and restarted (with boundaries every
+--killed-every layers, so that restarts replay the same layers from run to run): the seconds
 from the restart to its first new commit and how they split (to the epoch, verification included; the replay,
 and how long of it waited for the boundary, which is read ahead from the epoch's start; the layers until the
 commit, two with commits written behind).
@@ -122,20 +123,22 @@ def tree_digest(root: str) -> dict:
     return tree_digest(root)
 
 
-def designs(code: str, label: str, job: list[str], states: str, env: dict, work: str, kill_after: int) -> list:
+def designs(code: str, label: str, job: list[str], states: str, env: dict, work: str, kill_after: int,
+            killed_every: str) -> list:
     rows = []
     for every in ("0", "auto"):
         name = f"{label}-{every}"
         args = ["--state", f"{states}/{name}", "--output", os.path.join(work, name), *job, "--boundary-every", every]
         rows.append((name, {**run(code, args, env, os.path.join(work, name + ".log")), **loop(f"{states}/{name}")}))
     name = f"{label}-auto-killed"
-    args = ["--state", f"{states}/{name}", "--output", os.path.join(work, name), *job, "--boundary-every", "auto"]
+    args = ["--state", f"{states}/{name}", "--output", os.path.join(work, name), *job, "--boundary-every",
+            killed_every]
     run(code, args, env, os.path.join(work, name + ".log"), kill_after=kill_after)
     restarted = {**run(code, args, env, os.path.join(work, name + ".log2")), **loop(f"{states}/{name}")}
     rows.append((name, {**restarted, "split": restart_split(os.path.join(work, name + ".log2"), restarted)}))
     digests = {tree_digest(os.path.join(work, n)) == tree_digest(os.path.join(work, f"{label}-0"))
                for n in (f"{label}-auto", name)}
-    print(f"{label}: checkpoints of 0, auto and the killed auto run byte-identical: {digests == {True}}")
+    print(f"{label}: checkpoints of 0, auto and the killed run byte-identical: {digests == {True}}")
     return rows
 
 
@@ -176,6 +179,9 @@ def main():
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--mbit", type=float, default=26.0, help="the link's rate each way, Mbit/s (default 26)")
     p.add_argument("--kill-after", type=int, default=12, help="commits before the kill -9 (default 12)")
+    p.add_argument("--killed-every", default="6",
+                   help="--boundary-every of the killed run (default 6: with auto, where the kill falls in its "
+                        "schedule decides how many layers the restart replays)")
     p.add_argument("--previous", help="a git revision to run the same way, in the same invocation")
     a = p.parse_args()
     from elastic_oneshot.models.default_model import default_model
@@ -190,9 +196,9 @@ def main():
                            capture_output=True)
         with state_root(a.mbit, work) as (states, env):
             os.environ.update(env)  # this process reads the states' events too
-            rows = designs(ROOT, "current", job, states, env, work, a.kill_after)
+            rows = designs(ROOT, "current", job, states, env, work, a.kill_after, a.killed_every)
             if a.previous:
-                rows += designs(old, "previous", job, states, env, work, a.kill_after)
+                rows += designs(old, "previous", job, states, env, work, a.kill_after, a.killed_every)
         report(rows, a.mbit)
     finally:
         if a.previous:

@@ -190,23 +190,28 @@ def test_layers_redone_apart_replay_through_the_one_committed_first(deep_llama, 
 
 def test_a_restart_reads_its_boundary_ahead_while_the_epoch_is_set_up(deep_llama, reference, tmp_path, monkeypatch):
     """The boundary a restart replays from is read on the I/O thread from the epoch's start, before the first
-    layer to redo begins, and the replay runs on what arrives: the same bits."""
+    layer to redo begins, and the replay runs on what arrives: the same bits. That layer's solved work is read
+    first (behind a boundary on a slow link, small reads wait seconds), and once."""
     out, state = str(tmp_path / "out"), str(tmp_path / "state")
     oneshot(model=deep_llama, output_dir=out, state_dir=state, boundary_every=3, **JOB)
-    os.remove(os.path.join(state, "commits/00007.e00001.json"))
+    os.remove(os.path.join(state, "commits/00007.e00001.json"))  # layer 7's solved records remain
     shutil.rmtree(out)
-    reads, read_tensors = [], StateStore.read_tensors
+    reads, read_bytes = [], StateStore.read_bytes
 
     def recorded(self, record):
         reads.append((record["path"], threading.current_thread() is threading.main_thread(), time.time()))
-        return read_tensors(self, record)
+        return read_bytes(self, record)
 
-    monkeypatch.setattr(StateStore, "read_tensors", recorded)
+    monkeypatch.setattr(StateStore, "read_bytes", recorded)
     oneshot(model=deep_llama, output_dir=out, state_dir=state, boundary_every=3, **JOB)
     chunks = [(main, at) for path, main, at in reads if path.startswith("boundaries/00006/")]
     began = [e["time"] for e in read_events(state) if e["event"] == "layer" and e["epoch"] == 2]
     assert len(chunks) == 6 and not any(main for main, _ in chunks)
     assert min(at for _, at in chunks) < began[0]
+    committed = [e["time"] for e in read_events(state) if e["event"] == "commit" and e["epoch"] == 2]
+    solved = [(path, at) for path, _, at in reads if path.startswith("layers/00007/e00001.") and at < committed[0]]
+    assert solved and len(solved) == len({path for path, _ in solved})
+    assert max(at for _, at in solved) < min(at for _, at in chunks)
     assert tree_digest(out) == reference
 
 

@@ -33,7 +33,7 @@ class CommitProtocol:
     def __init__(self, state: StateStore, records: Records, view: dict[int, int] | None = None):
         self.state, self.records = state, records
         self.view: dict[int, int] = {} if view is None else view
-        self._read: dict[str, bytes] = {}  # files of the layers a restart replays, read back by `verified`
+        self._read: dict[str, bytes] = {}  # files read back by `verified` or `solved`, until `read_tensors` uses them
         self._damaged: dict[tuple[int, int], str] = {}  # (layer, epoch) -> why `tensors` found its commit unreadable
 
     # -- reading ------------------------------------------------------------------------------------
@@ -77,12 +77,17 @@ class CommitProtocol:
             if manifest is None:
                 raise CorruptStateError(f"the commit of layer {layer} in epoch {epoch} is missing")
             for record in manifest["weights"]:
-                data = self._read.pop(record["path"], None)
-                out.update(self.state.read_tensors(record) if data is None else st_load(data))
+                out.update(self.read_tensors(record))
         except CorruptStateError as e:
             self._damaged[layer, epoch] = str(e)
             raise
         return out
+
+    def read_tensors(self, record: dict) -> dict[str, torch.Tensor]:
+        """The tensors of a weight file: from the bytes `verified` or `solved` read back (used once), else read
+        now against its digest (CorruptStateError)."""
+        data = self._read.pop(record["path"], None)
+        return self.state.read_tensors(record) if data is None else st_load(data)
 
     def _verify(self, manifest: dict | None, layer: int, epoch: int, listed: dict, deep: bool = False) -> dict:
         """`manifest`, the records' commit of `layer` in `epoch`, if it exists and its weight files check out:
@@ -123,9 +128,10 @@ class CommitProtocol:
         return self.records.begin_epoch(committed)
 
     def solved(self, layer: int, epoch: int) -> list[dict]:
-        """Rank 0, when `epoch` starts work on `layer`: the intact solved-group records it may reuse.
-        Records of older epochs count only if taken into this epoch's fence for the layer, which the first
-        call writes, so that a stale worker's late writes are never picked up."""
+        """Rank 0, when `epoch` starts work on `layer`: the intact solved-group records it may reuse, their files
+        read back against their digests and kept for `read_tensors` (read once). Records of older epochs count only
+        if taken into this epoch's fence for the layer, which the first call writes, so that a stale worker's late
+        writes are never picked up."""
         folder, fence = f"layers/{layer:05d}", f"layers/{layer:05d}/fence.e{epoch:05d}.json"
         try:
             listed = self.state.read_json(fence)
@@ -138,7 +144,7 @@ class CommitProtocol:
                 continue
             try:
                 body = self.state.read_json(f"{folder}/{name}")
-                self.state.read_bytes(body["file"])
+                self._read[body["file"]["path"]] = self.state.read_bytes(body["file"])
             except (CorruptStateError, KeyError, TypeError):
                 continue
             out.append(body)

@@ -97,6 +97,7 @@ class Runner:
         self.boundaries = Boundaries(state, _io_thread(), boundary_every, source.num_layers, len(self.chunks),
                                      self.priority)
         self.mtbf_s, self.max_memory, self.memory = mtbf_s, max_memory, 0
+        self._solved: tuple[int, list[dict], dict] | None = None  # read_solved of the epoch's first layer
 
     # -- epochs ---------------------------------------------------------------------------------------
     def begin_epoch(self, valid: dict[int, int] | None = None):
@@ -119,8 +120,9 @@ class Runner:
         self.protocol.view = self.committed
         self.boundaries.restart([b for b, _ in self.protocol.durable(self.source.num_layers)], start["mtbf"])
         todo = [layer for layer in range(self.source.num_layers) if layer not in self.committed]
-        if todo:
-            self.inputs.prefetch(todo[0], self.io)  # the boundary downloads while the epoch is set up
+        if todo:  # the first layer's solved work, then its boundary, downloading while the epoch is set up
+            self._solved = self.read_solved(todo[0])  # small reads first: behind a boundary they wait seconds
+            self.inputs.prefetch(todo[0], self.io)
         self.memory = min(self.world.gather_objects(self.max_memory or int(0.8 * self.world.free_memory())))
         metrics.epoch_began(self.epoch, self.world.size, self.source.num_layers, self.committed,
                             self.boundaries.durable)
@@ -210,13 +212,20 @@ class Runner:
         self.pending.append(Computed(layer, [g.name for g in groups], reused, writes, notes, seconds))
         self.settle(keep=COMMITS_BEHIND)
 
-    def reuse_solved(self, layer: int, groups: list[Group]) -> tuple[dict, list[dict], list[Group]]:
-        """Sub-layer progress: the compressed tensors of the groups an earlier attempt solved, their records, and
-        the groups still to solve."""
+    def read_solved(self, layer: int) -> tuple[int, list[dict], dict]:
+        """Sub-layer progress of `layer`: the records of the groups an earlier attempt solved, and their compressed
+        tensors (rank 0 reads each file once)."""
         records = self.world.broadcast_object(self.protocol.solved(layer, self.epoch) if self.rank == 0 else None)
         tensors = {}
         for r in records:
-            tensors.update(to_device(self.state.read_tensors(r["file"]), self.device))
+            tensors.update(to_device(self.protocol.read_tensors(r["file"]), self.device))
+        return layer, records, tensors
+
+    def reuse_solved(self, layer: int, groups: list[Group]) -> tuple[dict, list[dict], list[Group]]:
+        """The compressed tensors of the groups an earlier attempt solved (read when the epoch began, for its first
+        layer), their records, and the groups still to solve."""
+        ahead, self._solved = self._solved, None
+        _, records, tensors = ahead if ahead and ahead[0] == layer else self.read_solved(layer)
         done = {name for r in records for name in r["groups"]}
         if done and self.rank == 0:
             log.info("layer %d: %d of %d groups were solved before this restart; solving the other %d", layer,
