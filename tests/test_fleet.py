@@ -1,6 +1,8 @@
 """`plan --fleet`: the model's pieces on hand-computed cases, the Monte Carlo's edges (no preemption, certain
-preemption), and the command line on configs of a tiny dense model and a tiny Qwen3-MoE."""
+preemption), the command line on configs of a tiny dense model and a tiny Qwen3-MoE, and `--calibrate` on a tiny
+model's weights."""
 
+import dataclasses
 import json
 import math
 import os
@@ -139,6 +141,8 @@ def test_plan_fleet_on_the_command_line(tmp_path, tiny_moe, capsys):
     (["--mtbp-hours", "0"], "--mtbp-hours 0: expected a number above 0"),
     (["--spot-price", "-1"], "--spot-price -1: expected a number of 0 or more"),
     (["--world-size", "4"], "--world-size: plan without --fleet only"),
+    (["--calibrate", "--accelerator", "H100"], "--accelerator: datasheet figures, which --calibrate replaces by this "
+     "machine's"),
 ])
 def test_bad_fleet_input_is_one_line_and_exit_2(tiny_moe, capsys, args, line):
     assert main(["plan", "--fleet", "--model", tiny_moe, *args]) == 2
@@ -150,6 +154,37 @@ def test_fleet_options_need_fleet_and_the_plan_a_world_size(tiny_moe, capsys):
     assert capsys.readouterr().err.endswith("error: --nodes, --json: plan --fleet only\n")
     assert main(["plan", "--model", tiny_moe]) == 2
     assert "plan needs --world-size W" in capsys.readouterr().err
+
+
+def test_calibrate_measures_one_layer_here_and_the_table_uses_it(tmp_path):
+    """--calibrate's figures are positive and replace the datasheet's: forwards and Hessians scale with the samples
+    (load and GPTQ do not), ranks past this machine's cores share them, and the header says so."""
+    from elastic_oneshot.testing.tiny import make_model
+
+    path = make_model(str(tmp_path / "llama"), "llama", num_hidden_layers=2)
+    work = F.model_work(path, Recipe(group_size=64, ignore=("lm_head",)))
+    fleet = F.Fleet(samples=8, seq_len=64, nodes=(1, 2), gpus_per_node=1, mtbp_hours=math.inf, trials=10)
+    m = F.measure(path, Recipe(group_size=64, ignore=("lm_head",)), fleet, work)
+    assert m.samples == 8 and all(v > 0 for v in dataclasses.astuple(m)[2:])
+    fleet = dataclasses.replace(fleet, measured=m)
+    one = F.layer_seconds(work.layers[0], fleet, 1)
+    twice = F.layer_seconds(work.layers[0], dataclasses.replace(fleet, samples=16), 1)
+    assert one != F.layer_seconds(work.layers[0], dataclasses.replace(fleet, measured=None), 1)
+    for phase in ("calibrate", "hessian", "propagate"):
+        assert twice[phase] == pytest.approx(2 * one[phase])
+    assert (twice["load"], twice["gptq"]) == (one["load"], one["gptq"])
+    crowded = dataclasses.replace(fleet, samples=16, measured=dataclasses.replace(m, cores=1))
+    assert F.layer_seconds(work.layers[0], crowded, 2)["calibrate"] == pytest.approx(one["calibrate"] * 2)
+    r = F.report(work, fleet, "W4A16")
+    assert r["rows"][0]["uninterrupted_s"] > m.startup_s
+    assert "calibrated on this machine: layer 0 on 8 samples" in F.render(r)
+    assert "(mean, calibrated)" in F.render(r)
+
+
+def test_calibrate_needs_the_weights(tiny_moe, capsys):
+    assert main(["plan", "--fleet", "--calibrate", "--model", tiny_moe]) == 2
+    assert re.fullmatch(r"elastic-oneshot: error: --calibrate runs one layer of the real model, which needs its "
+                        r"weights: \S+ has no \.safetensors weights\n", capsys.readouterr().err)
 
 
 @pytest.fixture

@@ -146,6 +146,11 @@ def _fleet_arguments(pl):
     fl.add_argument("--moe-calibrate", choices=["all", "routed"], help=f"as for run (default {d.moe_calibrate})")
     fl.add_argument("--seed", type=int, help=f"of the Monte Carlo (default {d.seed})")
     fl.add_argument("--trials", type=int, help=f"Monte Carlo trials per node count (default {d.trials})")
+    fl.add_argument("--calibrate", action="store_true",
+                    help="replace the datasheet by this machine: run one layer of the model (a directory with its "
+                         "weights) on min(samples, 8) samples at one thread (forwards and Hessians scaled linearly "
+                         "to the busiest rank's), measure the disk and a start; every node and rank is then taken "
+                         "to run on this machine, ranks of one thread sharing its cores (bench/fleet_check.py)")
     fl.add_argument("--json", action="store_true", help="the same facts as JSON")
     fl.add_argument("--plot", metavar="PNG", help="also draw wall time and cost by node count (needs matplotlib)")
 
@@ -192,7 +197,7 @@ def _fail(message: str, code: int) -> int:
 
 
 FLEET_ONLY = ("samples", "seq_len", "accelerator", "nodes", "gpus_per_node", "mtbp_hours", "replacement_minutes",
-              "storage_gbps", "spot_price", "on_demand_price", "moe_calibrate", "seed", "trials", "plot")
+              "storage_gbps", "spot_price", "on_demand_price", "moe_calibrate", "seed", "trials", "calibrate", "plot")
 
 
 def _plan(args):
@@ -207,8 +212,10 @@ def _plan(args):
 
         if given := [n for n in ("world_size", "layers") if getattr(args, n) is not None]:
             raise UsageError(f"{flags(given)}: plan without --fleet only")
-        options = fleet.options({n: getattr(args, n) for n in FLEET_ONLY if n != "plot"})
-        fleet.show(args.model, recipe, options, as_json=args.json, plot=args.plot, scheme=args.scheme)
+        options = fleet.options({n: getattr(args, n) for n in FLEET_ONLY if n not in ("calibrate", "plot")},
+                                args.calibrate)
+        fleet.show(args.model, recipe, options, as_json=args.json, plot=args.plot, scheme=args.scheme,
+                   calibrate=args.calibrate)
         return
     if given := [n for n in (*FLEET_ONLY, "json") if getattr(args, n) not in (None, False) and n != "moe_calibrate"]:
         raise UsageError(f"{flags(given)}: plan --fleet only")

@@ -17,6 +17,11 @@ The surviving nodes notice it, re-rendezvous and resume at one node fewer if MIN
 replacement), from the newest durable boundary, replaying the layers since; a replacement arrives
 `--replacement-minutes` after each preemption and joins at the end of the layer in flight (a join costs a restart
 and the replay, no lost work). Preemptions are exponential per node; each row is a seeded Monte Carlo.
+
+`--calibrate` (`measure`) replaces the datasheet with this machine, so that predictions can be checked against real
+runs here (bench/fleet_check.py): one layer of the real model is run through the run's own code, and every node and
+rank of the table is taken to run on this machine, as a local torchrun or the chaos harness runs them: ranks of one
+thread each (OMP_NUM_THREADS=1, what torchrun gives several ranks) share its cores, nodes share its disk.
 """
 
 import bisect
@@ -24,8 +29,13 @@ import collections
 import dataclasses
 import json
 import math
+import os
 import random
 import re
+import subprocess
+import sys
+import tempfile
+import time
 
 from elastic_oneshot.errors import UsageError
 
@@ -69,6 +79,25 @@ EXPERT = re.compile(r"((?:.*\.)?experts)\.(\d+)\.(\w+)$")  # moe.Expert's Linear
 
 
 @dataclasses.dataclass(frozen=True)
+class Measured:
+    """`--calibrate`'s figures for one rank of one thread on this machine: what its phases achieved on one layer
+    (flop/s of the model's flop counts, so that other layers and token counts scale by them), GPTQ's seconds over
+    CostModel's, the disk, and a start (launch and the run's preamble)."""
+
+    layer: int
+    samples: int  # measured on this many (forwards and Hessians scale linearly to the busiest rank's)
+    load_bps: float
+    calibrate_fps: float
+    hessian_fps: float
+    propagate_fps: float
+    gptq: float  # measured GPTQ seconds / CostModel's (one EPYC thread) for the same groups
+    write_bps: float
+    read_bps: float
+    startup_s: float
+    cores: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Fleet:
     """`plan --fleet`'s inputs (the CLI states these defaults)."""
 
@@ -87,6 +116,7 @@ class Fleet:
     seed: int = 0
     trials: int = 2000
     moe_calibrate: str = "all"
+    measured: Measured | None = None  # --calibrate's: this machine instead of the datasheet
 
     @property
     def acc(self) -> Accelerator:
@@ -94,7 +124,16 @@ class Fleet:
 
     @property
     def storage(self) -> float:
-        return self.storage_gbps * 1e9  # bytes/s
+        """Bytes/s of one link to the state: a node's, or with --calibrate this machine's disk write."""
+        return self.measured.write_bps if self.measured else self.storage_gbps * 1e9
+
+    def links(self, nodes: int) -> int:
+        """Links that write in parallel: one a node, or with --calibrate the one disk every node shares."""
+        return 1 if self.measured else nodes
+
+    @property
+    def startup_s(self) -> float:
+        return self.measured.startup_s if self.measured else STARTUP_S
 
     @property
     def mtbp_s(self) -> float:
@@ -105,9 +144,12 @@ POSITIVE = ("samples", "seq_len", "gpus_per_node", "mtbp_hours", "storage_gbps",
 NOT_NEGATIVE = ("replacement_minutes", "spot_price", "on_demand_price")
 
 
-def options(values: dict) -> Fleet:
+def options(values: dict, calibrate: bool = False) -> Fleet:
     """A Fleet from the command line's values (None: the default), each checked: one line for the first bad one."""
     values = {k: v for k, v in values.items() if v is not None}
+    if calibrate and (datasheet := [k for k in ("accelerator", "storage_gbps") if k in values]):
+        raise UsageError(f"{', '.join('--' + k.replace('_', '-') for k in datasheet)}: datasheet figures, which "
+                         "--calibrate replaces by this machine's")
     if "nodes" in values:
         values["nodes"] = parse_nodes(str(values["nodes"]))
     for key in POSITIVE + NOT_NEGATIVE:
@@ -223,12 +265,13 @@ def solve_cost(acc: Accelerator):
 _PLANS: dict = {}
 
 
-def _makespan(groups: tuple, ranks: int, acc: Accelerator) -> float:
-    from elastic_oneshot.quantization.plan import make_plan
+def _makespan(groups: tuple, ranks: int, acc: Accelerator | None) -> float:
+    """The plan's makespan re-timed for `acc`, or (None) under CostModel's own one-thread coefficients."""
+    from elastic_oneshot.quantization.plan import CostModel, make_plan
 
     key = (groups, ranks, acc)
     if key not in _PLANS:
-        _PLANS[key] = make_plan(list(groups), ranks, solve_cost(acc)).makespan
+        _PLANS[key] = make_plan(list(groups), ranks, solve_cost(acc) if acc else CostModel()).makespan
     return _PLANS[key]
 
 
@@ -238,6 +281,8 @@ def layer_seconds(work: LayerWork, fleet: Fleet, nodes: int) -> dict[str, float]
     chunks = math.ceil(fleet.samples / CHUNK_SIZE)
     mine = math.ceil(chunks / ranks)  # chunks on the busiest rank
     tokens = min(fleet.samples, mine * CHUNK_SIZE) * fleet.seq_len
+    if fleet.measured:
+        return _measured_seconds(work, fleet, ranks, tokens)
 
     def forward(flops):  # compute or weight reads, whichever is longer, plus the loop over experts
         return (max(flops * tokens / (acc.bf16_tflops * 1e12 * FORWARD_EFFICIENCY),
@@ -248,7 +293,20 @@ def layer_seconds(work: LayerWork, fleet: Fleet, nodes: int) -> dict[str, float]
             "hessian": work.hessian_flops * tokens / (acc.fp32_tflops * 1e12 * FP_EFFICIENCY),
             "gptq": _makespan(work.groups, ranks, acc),
             "propagate": forward(work.propagate_flops),
-            "commit": work.compressed_bytes / (fleet.storage * nodes)}
+            "commit": work.compressed_bytes / (fleet.storage * fleet.links(nodes))}
+
+
+def _measured_seconds(work: LayerWork, fleet: Fleet, ranks: int, tokens: int) -> dict[str, float]:
+    """layer_seconds from --calibrate's rates: `ranks` one-thread ranks on this machine, slowed by their share of
+    its cores when they outnumber them; the commit on its one disk."""
+    m = fleet.measured
+    share = max(1.0, ranks / m.cores)
+    return {"load": share * work.weight_bytes / m.load_bps,
+            "calibrate": share * work.calibrate_flops * tokens / m.calibrate_fps,
+            "hessian": share * work.hessian_flops * tokens / m.hessian_fps,
+            "gptq": share * m.gptq * _makespan(work.groups, ranks, None),
+            "propagate": share * work.propagate_flops * tokens / m.propagate_fps,
+            "commit": work.compressed_bytes / fleet.storage}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,6 +319,7 @@ class Timeline:
     interval: list[int]  # boundaries.auto_interval at each layer
     write_s: float  # one boundary, written (or read back) by every node in parallel
     tail: float  # after the last layer: its commit, then the export (everything read back, written once)
+    startup: float  # a start of the workers: interpreter, imports, skeleton, resume point
 
 
 def timeline(model: ModelWork, fleet: Fleet, nodes: int, resume: bool = True) -> Timeline:
@@ -271,12 +330,12 @@ def timeline(model: ModelWork, fleet: Fleet, nodes: int, resume: bool = True) ->
     compute = [sum(v for k, v in p.items() if k != "commit") for p in phases]
     commit = [p["commit"] if resume else 0.0 for p in phases]
     durations = [c + max(0.0, (commit[i - 1] if i else 0.0) - c) for i, c in enumerate(compute)]
-    write_s = fleet.samples * fleet.seq_len * model.hidden * model.itemsize / (fleet.storage * nodes)
+    write_s = fleet.samples * fleet.seq_len * model.hidden * model.itemsize / (fleet.storage * fleet.links(nodes))
     mtbf = min(fleet.mtbp_s / nodes, 1e18)  # never preempted: Young and Daly's interval is the bound
     interval = [auto_interval(write_s, c, p["propagate"], mtbf) for c, p in zip(compute, phases)]
     total = sum(w.compressed_bytes for w in model.layers)
     return Timeline(_prefix(durations), commit, _prefix([p["load"] + p["propagate"] for p in phases]), interval,
-                    write_s, commit[-1] + 2 * total / fleet.storage)
+                    write_s, commit[-1] + 2 * total / fleet.storage, fleet.startup_s)
 
 
 def _prefix(values: list[float]) -> list[float]:
@@ -288,7 +347,7 @@ def _prefix(values: list[float]) -> list[float]:
 
 # -- the Monte Carlo ----------------------------------------------------------------------------------------------
 def uninterrupted(tl: Timeline) -> float:
-    return STARTUP_S + tl.cum[-1] + tl.tail
+    return tl.startup + tl.cum[-1] + tl.tail
 
 
 def _durable(tl: Timeline, first: int, began: float, upto: int, when: float, boundary: int) -> int:
@@ -311,7 +370,7 @@ def trial(tls: dict[int, Timeline], nodes: int, low: int, fleet: Fleet, rng: ran
     last = len(tls[nodes].cum) - 1
     cap = CAP_FACTOR * (uninterrupted(tls[nodes]) + fleet.replacement_minutes * 60)
     t, alive, done, boundary, events = 0.0, nodes, 0, 0, 0
-    setup, preempted, pending = STARTUP_S, [], collections.deque()
+    setup, preempted, pending = tls[nodes].startup, [], collections.deque()
     while t < cap and events < CAP_EVENTS:
         events += 1
         if alive < low:  # wait for replacements; the nodes left may be preempted meanwhile
@@ -338,12 +397,12 @@ def trial(tls: dict[int, Timeline], nodes: int, low: int, fleet: Fleet, rng: ran
             while pending and pending[0] <= join and alive < nodes:
                 pending.popleft()
                 alive += 1
-            t, setup = join + RENDEZVOUS_S, STARTUP_S
+            t, setup = join + RENDEZVOUS_S, tls[nodes].startup
             continue
         done, boundary = _resumed(tl, done, began, lost, boundary, resume, lost=True)
         preempted.append(lost)
         pending.append(lost + fleet.replacement_minutes * 60)
-        t, alive, setup = lost + NOTICE_S + RENDEZVOUS_S, alive - 1, STARTUP_S
+        t, alive, setup = lost + NOTICE_S + RENDEZVOUS_S, alive - 1, tls[nodes].startup
     return None
 
 
@@ -381,6 +440,118 @@ def _paid(end: float, nodes: int, preempted: list[float], fleet: Fleet) -> float
     return nodes * end - sum(min(end, p + gap) - p for p in preempted)
 
 
+# -- --calibrate: this machine's figures --------------------------------------------------------------------------
+DISK_BYTES = 64 * 2**20  # written, synced and read back once to measure the disk
+
+
+def measure(model: str, recipe, fleet: Fleet, work: ModelWork) -> Measured:
+    """One layer of the real model (the one of most calibration flops) through the run's own code, at one thread: its
+    weights read (load), min(samples, CHUNK_SIZE) samples of seq_len through the calibration hooks (calibrate, with
+    Hessians timed apart), the weight-parallel plan at one rank with packing (gptq), the layer again (propagate);
+    then the disk under the temp dir, and a start: a torchrun launch of a worker that imports the run, plus the run's
+    preamble here (the model's checks, drawing builtin samples, the embeddings and the trial of layer 0)."""
+    import torch
+
+    from elastic_oneshot.models.source import SourceModel
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        began = time.perf_counter()
+        source = SourceModel(model)
+        try:
+            source.check_weights()
+        except UsageError as e:
+            raise UsageError(f"--calibrate runs one layer of the real model, which needs its weights: {e}") from None
+        index = max(range(len(work.layers)), key=lambda i: work.layers[i].calibrate_flops)
+        samples = min(fleet.samples, CHUNK_SIZE)
+        checks = time.perf_counter() - began
+        seconds, preamble = _one_layer(source, recipe, index, samples, fleet)
+    finally:
+        torch.set_num_threads(threads)
+    w, tokens = work.layers[index], samples * fleet.seq_len
+    write_bps, read_bps = _disk()
+    return Measured(index, samples, w.weight_bytes / seconds["load"], w.calibrate_flops * tokens / seconds["calibrate"],
+                    w.hessian_flops * tokens / seconds["hessian"], w.propagate_flops * tokens / seconds["propagate"],
+                    seconds["gptq"] / _makespan(w.groups, 1, None), write_bps, read_bps,
+                    _launch_s() + checks + preamble,
+                    os.cpu_count() or 1)
+
+
+def _one_layer(source, recipe, index: int, samples: int, fleet: Fleet) -> tuple[dict[str, float], float]:
+    """Layer `index`'s phases in seconds as the runner times them, and the seconds of the run's own preamble that
+    came along (drawing the samples, the trial of layer 0)."""
+    import torch
+    import transformers
+
+    from elastic_oneshot.distributed.world import World
+    from elastic_oneshot.loop.calibration import Calibration
+    from elastic_oneshot.loop.data import calibration_samples
+    from elastic_oneshot.models.moe import experts_mode
+    from elastic_oneshot.models.source import Embedder
+    from elastic_oneshot.quantization.executor import Executor
+    from elastic_oneshot.quantization.packing import LayerPacking
+    from elastic_oneshot.quantization.plan import layer_groups, make_plan
+
+    began, all_experts = time.perf_counter(), fleet.moe_calibrate == "all"
+    ids = calibration_samples("builtin", transformers.AutoTokenizer.from_pretrained(source.path), samples,
+                              fleet.seq_len, 0)
+    schemes = recipe.module_schemes(source.skeleton, source.family)
+    prefix, embedder = f"{source.layer_prefix}{index}.", Embedder(source)
+    with torch.inference_mode():
+        trial = embedder(torch.zeros(1, fleet.seq_len, dtype=torch.int64))  # the run's trial of layer 0
+        source.load_layer(0)(trial, **embedder.layer_kwargs(0, 1, fleet.seq_len))
+        x, kwargs = embedder(ids), embedder.layer_kwargs(index, 1, fleet.seq_len)
+        preamble, t = time.perf_counter() - began, time.perf_counter()
+        module = source.load_layer(index)
+        names = source.by_layer(list(schemes))[index]
+        groups = layer_groups(module, names, source.family.shared_inputs, all_experts)
+        seconds = {"load": time.perf_counter() - t}
+        t = time.perf_counter()
+        calib = Calibration(module, [[n for n, _ in g.modules] for g in groups], "cpu", fleet.seq_len,
+                            {g.name: schemes[prefix + g.name] for g in groups})
+        with experts_mode(module, all_experts):
+            for sample in x.split(1):
+                calib.run(module, sample, kwargs)
+            calib.end_chunk()
+        calib.remove()
+        seconds |= {"hessian": calib.seconds, "calibrate": time.perf_counter() - t - calib.seconds}
+        t = time.perf_counter()
+        packing = LayerPacking(schemes, prefix, dict(module.named_modules()), names, calib.ranges,
+                               source.family.fused_scales)
+        Executor(World(), make_plan(groups, 1), groups, packing.weights, recipe, index,
+                 lambda solved: [packing.pack(g, w) for g, w in solved], packing.args,
+                 packing.qparams).run(calib.hessian, samples, calib.ranges)
+        seconds["gptq"], t = time.perf_counter() - t, time.perf_counter()
+        torch.cat([module(sample, **kwargs)[0] for sample in x.split(1)])
+        seconds["propagate"] = time.perf_counter() - t
+    return seconds, preamble
+
+
+def _disk() -> tuple[float, float]:
+    """Bytes/s of a synced write and of a read back, under the temp dir (where the check bench keeps its states)."""
+    data = os.urandom(DISK_BYTES)
+    with tempfile.TemporaryDirectory() as d:
+        path, t = os.path.join(d, "probe"), time.perf_counter()
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        write, t = time.perf_counter() - t, time.perf_counter()
+        with open(path, "rb") as f:
+            f.read()
+        return DISK_BYTES / write, DISK_BYTES / (time.perf_counter() - t)
+
+
+def _launch_s() -> float:
+    """Seconds for a torchrun agent to start a worker that imports the run, and for both to end."""
+    t = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+                    "--no-python", sys.executable, "-c", "import elastic_oneshot.surface.api"], check=True,
+                   env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return time.perf_counter() - t
+
+
 # -- the report ---------------------------------------------------------------------------------------------------
 def row(tls: dict[int, Timeline], nodes: int, low: int, fleet: Fleet, resume: bool = True) -> dict:
     """A node count's statistics over `fleet.trials` seeded trials; as soon as one trial never finishes, only that."""
@@ -395,7 +566,8 @@ def row(tls: dict[int, Timeline], nodes: int, low: int, fleet: Fleet, resume: bo
     walls.sort()
     gpu_hours = paid / len(walls) * fleet.gpus_per_node / 3600
     return {"finishes": True, "uninterrupted_s": uninterrupted(tls[nodes]), "expected_s": sum(walls) / len(walls),
-            "p10_s": walls[round(0.1 * (len(walls) - 1))], "p90_s": walls[round(0.9 * (len(walls) - 1))],
+            "p10_s": walls[round(0.1 * (len(walls) - 1))],
+            "p50_s": walls[round(0.5 * (len(walls) - 1))], "p90_s": walls[round(0.9 * (len(walls) - 1))],
             "gpu_hours": gpu_hours, "cost": gpu_hours * fleet.spot_price}
 
 
@@ -449,15 +621,18 @@ def _duration(seconds: float) -> str:
 
 def render(r: dict) -> str:
     """The report as a table, with what it assumed above it and the recommendation below."""
-    f, a, p = r["fleet"], r["accelerator"], r["per_layer_s_at_min"]
+    f, a, p, m = r["fleet"], r["accelerator"], r["per_layer_s_at_min"], r["fleet"]["measured"]
     mtbp = "never preempted" if f["mtbp_hours"] is None else f"each preempted every {f['mtbp_hours']:g} h on average"
-    lines = [f"{r['model']}: {r['layers']} layers, {r['scheme']}, {f['samples']} x {f['seq_len']} tokens; "
-             f"{f['accelerator']} ({a['bf16_tflops']:g} bf16 TFLOP/s, {a['bandwidth_gbps']:g} GB/s, "
-             f"{a['memory_gb']:g} GB) x {f['gpus_per_node']} a node",
-             f"spot nodes {mtbp}, replaced in {f['replacement_minutes']:g} min; storage {f['storage_gbps']:g} GB/s a "
-             f"node; ${f['spot_price']:.2f} spot, ${f['on_demand_price']:.2f} on demand per GPU-hour; "
+    where = (f"{f['accelerator']} ({a['bf16_tflops']:g} bf16 TFLOP/s, {a['bandwidth_gbps']:g} GB/s, "
+             f"{a['memory_gb']:g} GB) x {f['gpus_per_node']} a node; storage {f['storage_gbps']:g} GB/s a node" if not m
+             else f"calibrated on this machine: layer {m['layer']} on {m['samples']} samples, ranks of one thread "
+             f"sharing {m['cores']} cores ({f['gpus_per_node']} a node), disk {m['write_bps'] / 1e9:.2f} GB/s write "
+             f"and {m['read_bps'] / 1e9:.2f} read, start-up {m['startup_s']:.1f} s")
+    lines = [f"{r['model']}: {r['layers']} layers, {r['scheme']}, {f['samples']} x {f['seq_len']} tokens; {where}",
+             f"spot nodes {mtbp}, replaced in {f['replacement_minutes']:g} min; "
+             f"${f['spot_price']:.2f} spot, ${f['on_demand_price']:.2f} on demand per GPU-hour; "
              f"{f['trials']} trials, seed {f['seed']}",
-             f"a layer at {f['nodes'][0]} node{'s' if f['nodes'][0] > 1 else ''} (mean): "
+             f"a layer at {f['nodes'][0]} node{'s' if f['nodes'][0] > 1 else ''} (mean{', calibrated' if m else ''}): "
              + ", ".join(f"{k} {v:.2f}" for k, v in p.items() if k != "commit")
              + f" s; its commit {p['commit']:.2f} s behind the next; boundary {r['boundary_gb']:.1f} GB every "
              f"{r['boundary_every_at_min']} layers; per GPU about {r['gpu_memory_gb']:.1f} GB",
@@ -511,11 +686,16 @@ def _figure(path: str):
     return Figure
 
 
-def show(model: str, recipe, fleet: Fleet, as_json: bool = False, plot: str | None = None, scheme: str = ""):
-    """`plan --fleet`: the report, as a table or JSON, and drawn when `plot` names a PNG."""
+def show(model: str, recipe, fleet: Fleet, as_json: bool = False, plot: str | None = None, scheme: str = "",
+         calibrate: bool = False):
+    """`plan --fleet`: the report, as a table or JSON, and drawn when `plot` names a PNG; with `calibrate`, from
+    this machine's figures (`measure`)."""
     if plot:
         _figure(plot)  # before any work
-    r = report(model_work(model, recipe, fleet.moe_calibrate == "all"), fleet, scheme)
+    work = model_work(model, recipe, fleet.moe_calibrate == "all")
+    if calibrate:
+        fleet = dataclasses.replace(fleet, measured=measure(model, recipe, fleet, work))
+    r = report(work, fleet, scheme)
     print(json.dumps(r) if as_json else render(r))
     if plot:
         draw(r, plot)
