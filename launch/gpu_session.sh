@@ -7,6 +7,10 @@
 #   qwen3-30b-a3b   bench/gpu.py at full size: 2 layers, 128 experts, 128 x 2048 tokens
 #                   (each meant to fit one 10-minute device call; not yet measured: --samples 64 if not)
 #   durability      bench/gpu.py --durability --skip-peer on the Llama: auto against 0
+#   all             within one 10-minute call: the Llama with --durability and the peer, the Qwen3-MoE, then the
+#                   CUDA tests (6 at a time) with what time is left; each cut off at its deadline. As measured on
+#                   an H200 (2026-11-26): the Llama's models 23 s, ours 118 s a run, the peer's 121 s; the Qwen3-MoE's
+#                   models 21 s, ours 63 s; the tests more than 150 s at 5 at a time
 # Arguments after the step go to pytest or bench/gpu.py (`llama3-8b --samples 64`). Logs go to $OUT (the device tool's folder that comes back), else /tmp/gpu-session.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -15,7 +19,7 @@ mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1  # no network there: never wait on the hub
 PY="${PYTHON:-python3}"
-step="${1:?usage: launch/gpu_session.sh tests|llama3-8b|qwen3-30b-a3b|durability [more arguments for it]}"
+step="${1:?usage: launch/gpu_session.sh tests|llama3-8b|qwen3-30b-a3b|durability|all [more arguments for it]}"
 shift
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
@@ -40,5 +44,11 @@ case "$step" in
         | tee "$OUT/bench-$step.log" | grep -v "Writing model shards" ;;
     durability) "$PY" bench/gpu.py --only llama3-8b --durability --skip-peer --workdir /tmp/bench-gpu "$@" 2>&1 \
         | tee "$OUT/bench-durability.log" | grep -v "Writing model shards" ;;
+    all) start=$SECONDS
+        step_until() { local until=$1; shift; timeout $((until - (SECONDS - start))) bash "$0" "$@"
+            echo "== $1: exit $? at $((SECONDS - start)) s"; }
+        step_until 330 llama3-8b --durability
+        step_until 470 qwen3-30b-a3b
+        step_until 585 tests -n 6 ;;
     *) echo "unknown step $step"; exit 2 ;;
 esac

@@ -183,3 +183,33 @@ def test_qwen3_moe_layer(dtype, tmp_path):
     generates(mine)
     theirs = peer(model, tmp_path / "peer", tmp_path, samples=16, seq_len=128, group_size=32, moe=True)
     agree(mine, theirs, "Qwen3-MoE", dtype, modules=2 * (4 + 3 * 8))
+
+
+def test_graphed_column_loop_and_device_hessian(monkeypatch):
+    """On the GPU itself: GPTQ's column loop replayed as a CUDA graph gives the eager loop's very bits, and the
+    Hessian of bfloat16 inputs in one product (fp32 accumulation) is the row-block fp32 one up to summation order."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs the GPU itself")
+    from compressed_tensors.quantization import QuantizationArgs
+
+    from elastic_oneshot.quantization import gptq
+
+    torch.manual_seed(0)
+    d, rows = 1024, 384
+    x = torch.randn(4, 128, d, device="cuda", dtype=torch.bfloat16)
+    acc, ref = torch.zeros(d, d, device="cuda"), torch.zeros(d, d)
+    gptq.hessian_add(acc, x, 128)
+    gptq.hessian_add(ref, x.cpu(), 128)
+    hessian = gptq.symmetric(acc).cpu()
+    assert torch.allclose(hessian, gptq.symmetric(ref), rtol=1e-5, atol=1e-3)
+
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=False, strategy="group", group_size=128)
+    weight = torch.randn(1, rows, d, device="cuda", dtype=torch.bfloat16)
+    prep = gptq.prepare((hessian / 512).double().cuda()[None], args.actorder)
+    captured = []
+    capture = gptq._GraphedLoop.capture
+    monkeypatch.setattr(gptq._GraphedLoop, "capture", lambda *a: captured.append(capture(*a)) or captured[-1])
+    graphed = gptq.solve(weight, prep, args)
+    assert captured and captured[0] is not None, "the column loop was not captured"
+    monkeypatch.setattr(gptq._GraphedLoop, "capture", lambda *a: None)
+    assert torch.equal(graphed, gptq.solve(weight, prep, args))

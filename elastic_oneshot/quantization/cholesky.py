@@ -45,9 +45,10 @@ def inverse_pieces(cols: int) -> list[tuple[int, int]]:
 
 def reversed_columns(damped: torch.Tensor) -> list[torch.Tensor]:
     """The damped Hessian with rows and columns reversed, in fp64, as the lower parts of its column pieces
-    (piece j: rows start_j and below): what the blocked Cholesky works on, one piece per owner."""
-    a = damped.flip(0, 1).double()
-    return [a[s:, s:e].clone() for s, e in cholesky_panels(a.shape[-1])]
+    (piece j: rows start_j and below): what the blocked Cholesky works on, one piece per owner. Each piece is
+    cut from `damped` before it is flipped and widened, so no whole fp64 copy is ever held."""
+    cols = damped.shape[-1]
+    return [damped[:cols - s, cols - e:cols - s].flip(0, 1).double() for s, e in cholesky_panels(cols)]
 
 
 @one_thread()
@@ -67,11 +68,12 @@ def cholesky_update(column: torch.Tensor, panel: torch.Tensor, offset: int):
 
 
 def blocked_cholesky(columns: list[torch.Tensor]) -> torch.Tensor | None:
-    """The lower Cholesky factor (fp32) from `reversed_columns`, right-looking by pieces: the very steps that
-    ranks share, on one rank. None if not positive definite."""
+    """The lower Cholesky factor (fp32) from `reversed_columns` (consumed), right-looking by pieces: the very
+    steps that ranks share, on one rank. None if not positive definite."""
     spans, panels = cholesky_panels(sum(c.shape[-1] for c in columns)), []
     for k, (start, _) in enumerate(spans):
         panels.append(cholesky_panel(columns[k]))
+        columns[k] = None  # done with: the panels replace the columns as they go
         for j in range(k + 1, len(spans)):
             cholesky_update(columns[j], panels[k], spans[j][0] - start)
     return lower_factor(panels)
@@ -99,8 +101,11 @@ def inverse_rows(chol: torch.Tensor, start: int, end: int) -> torch.Tensor:
 def assemble(pieces: list[torch.Tensor], cols: int) -> torch.Tensor:
     """The upper Cholesky factor of H^-1 from the pieces of L^-1 (L from the reversed H): reversing
     rows and columns of L^-1 gives U with U^T U = H^-1. One factorization and one triangular inverse,
-    where the peer does three O(d^3) steps; equal up to rounding."""
-    inv = pieces[0].new_zeros(cols, cols)
+    where the peer does three O(d^3) steps; equal up to rounding. Each piece goes reversed into its place
+    (`pieces` may be a generator: one piece is held at a time)."""
+    upper = None
     for (start, end), piece in zip(inverse_pieces(cols), pieces):
-        inv[start:end, :end] = piece
-    return inv.flip(0, 1)
+        if upper is None:
+            upper = piece.new_zeros(cols, cols)
+        upper[cols - end:cols - start, cols - end:] = piece.flip(0, 1)
+    return upper

@@ -12,6 +12,7 @@ three fp32 steps).
 """
 
 import dataclasses
+import logging
 import math
 from typing import NamedTuple
 
@@ -30,6 +31,7 @@ from elastic_oneshot.quantization.cholesky import (
     reversed_columns,
 )
 
+log = logging.getLogger(__name__)
 DAMPING_RETRIES = 3  # each retry multiplies the damping fraction by 10
 SOLVE_ELEMENTS = 2**27  # weights per pass of `solve`: its fp32 copies of them, 512 MB each at most
 
@@ -49,8 +51,10 @@ def hessian_add(acc: torch.Tensor, x: torch.Tensor, seq_len: int):
     the triangle by row blocks takes 0.56-0.67x the FLOPs of the full product, and on MKL its entries
     equal the full product's bit for bit (the full product is exactly symmetric there). The caller sums
     these fp32 partials per chunk into an fp64 total, so that the total hardly depends on how chunks are
-    split across ranks.
+    split across ranks. On a GPU see `_hessian_add_device`.
     """
+    if x.is_cuda:
+        return _hessian_add_device(acc, x)
     if x.dim() > 2:
         x = x.reshape(-1, *x.shape[-2:])
     else:
@@ -61,6 +65,20 @@ def hessian_add(acc: torch.Tensor, x: torch.Tensor, seq_len: int):
         for r in range(0, d, HESSIAN_BLOCK):
             e = min(r + HESSIAN_BLOCK, d)
             acc[r:e, :e] += inp[r:e].matmul(inp[:e].t())
+
+
+def _hessian_add_device(acc: torch.Tensor, x: torch.Tensor):
+    """`hessian_add` on a GPU, where launches, not FLOPs, bound the row-block loop: the whole product at once.
+    bf16 and fp16 inputs are multiplied in their own type into fp32 (their products are exact in fp32, so
+    this is the fp32 product, summed in cuBLAS's order, at tensor-core speed); fp32 inputs one sequence
+    after another, scaled by sqrt 2, as the peer does."""
+    if x.dtype in (torch.bfloat16, torch.float16):
+        flat = x.reshape(-1, x.shape[-1])
+        acc.add_(torch.mm(flat.t(), flat, out_dtype=torch.float32), alpha=2)
+        return
+    for seq in x.reshape(-1, *x.shape[-2:]) if x.dim() > 2 else [x]:
+        inp = math.sqrt(2) * seq.t().to(torch.float32)
+        acc += inp.matmul(inp.t())
 
 
 def symmetric(lower: torch.Tensor) -> torch.Tensor:
@@ -174,7 +192,7 @@ def _unpack_order(meta: torch.Tensor, d: int) -> tuple[torch.Tensor, torch.Tenso
 def order(hessian: torch.Tensor, actorder):
     """Hessians [B, d, d] in fp32 in the solve's column order, dead columns' diagonals set to 1; the order,
     the dead columns, and which Hessians no token reached."""
-    H = hessian.to(torch.float32).clone()
+    H = hessian.to(torch.float32, copy=True)
     batch, cols, _ = H.shape
     diag = torch.diagonal(H, dim1=-2, dim2=-1)
     if actorder:
@@ -203,26 +221,26 @@ def factor(hessian: torch.Tensor, actorder, dampening_frac: float = 0.01) -> Pre
     factor, which `invert` completes. Not positive definite: retried with more damping. No token reached
     it (all zero), or no damping helped: round-to-nearest (an identity factor)."""
     H, perm, dead, untouched = order(hessian, actorder)
+    del hessian  # the caller's fp64 total (twice H's memory): a GPU's peak is this step's, for wide Hessians
     cols = H.shape[-1]
     wide = bool(cholesky_panels(cols))
-    out, damping = torch.empty_like(H), []
+    out, damping = [], []
     for b in range(H.shape[0]):
         f, frac = (None, None) if untouched[b] else _damped_factor(H[b], dampening_frac, wide)
-        out[b] = torch.eye(cols, device=H.device) if f is None else f
+        out.append(torch.eye(cols, device=H.device) if f is None else f)
         damping.append(None if f is None else frac)
-    return (Factored if wide else Prepared)(out, perm, dead, damping)
+    return (Factored if wide else Prepared)(torch.stack(out) if len(out) > 1 else out[0][None], perm, dead, damping)
 
 
 @one_thread()
 def _damped_factor(h: torch.Tensor, frac: float, wide: bool) -> tuple[torch.Tensor | None, float]:
     for attempt in range(DAMPING_RETRIES + 1):
         f = frac if attempt == 0 else max(frac, 0.01) * 10**attempt
-        damped = damp(h, f)
         if wide:  # in fp64: fp32 rounding here lands in the inverse factor's first rows, which GPTQ uses first
-            out = blocked_cholesky(reversed_columns(damped))
+            out = blocked_cholesky(reversed_columns(damp(h, f)))
             info = 0 if out is not None else 1
         else:  # the peer's steps: Cholesky, inverse, Cholesky of the inverse
-            chol, info = torch.linalg.cholesky_ex(damped)
+            chol, info = torch.linalg.cholesky_ex(damp(h, f))
             if info == 0:
                 out, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(chol), upper=True)
         if info == 0:
@@ -236,9 +254,9 @@ def invert(factored: Prepared | Factored) -> Prepared:
     if isinstance(factored, Prepared):
         return factored
     cols = factored.chol.shape[-1]
-    hinv = torch.stack([assemble([inverse_rows(L, s, e) for s, e in inverse_pieces(cols)], cols)
-                        for L in factored.chol])
-    return Prepared(hinv, factored.perm, factored.dead, factored.damping)
+    hinv = [assemble((inverse_rows(L, s, e) for s, e in inverse_pieces(cols)), cols) for L in factored.chol]
+    return Prepared(torch.stack(hinv) if len(hinv) > 1 else hinv[0][None], factored.perm, factored.dead,
+                    factored.damping)
 
 
 def prepare(hessian: torch.Tensor, actorder, dampening_frac: float = 0.01) -> Prepared:
@@ -276,28 +294,74 @@ def _solve_rows(weight: torch.Tensor, prep: Prepared, args: QuantizationArgs, bl
     Hinv = prep.hinv
 
     column_args = schemes.per_column(args)
+    graphed = None  # on a GPU with more than one full block: a _GraphedLoop, or False where capture failed
     for i1 in range(0, cols, block_size):
         i2 = min(i1 + block_size, cols)
+        full = i2 - i1 == block_size
         window = g_idx[:, i1:i2].unsqueeze(-2).expand(-1, rows, -1)
-        col_scale = torch.gather(scale, -1, window)
-        col_zp = None if zero_point is None else torch.gather(zero_point, -1, window)
-        W1 = W[:, :, i1:i2].clone()
-        Err1 = torch.zeros_like(W1)
-        Hinv1 = Hinv[:, i1:i2, i1:i2]
-        for i in range(i2 - i1):
-            w = W1[:, :, i]
-            q = fake_quantize(w.reshape(-1, 1), col_scale[:, :, i].reshape(-1, 1),
-                              None if col_zp is None else col_zp[:, :, i].reshape(-1, 1),
-                              column_args).reshape(batch, rows)
-            err = (w - q) / Hinv1[:, i, i].unsqueeze(-1)
-            W1[:, :, i] = q
-            Err1[:, :, i] = err
-            W1[:, :, i + 1:] -= err.unsqueeze(-1) * Hinv1[:, i, i + 1:].unsqueeze(-2)
+        block = [W[:, :, i1:i2].clone(), torch.zeros(batch, rows, i2 - i1, device=W.device), Hinv[:, i1:i2, i1:i2],
+                 torch.gather(scale, -1, window), None if zero_point is None else torch.gather(zero_point, -1, window)]
+        if graphed is None and W.is_cuda and full and cols > block_size:
+            graphed = _GraphedLoop.capture(block, column_args) or False
+        W1, Err1 = graphed(block) if graphed and full else _column_loop(*block, column_args)
         W[:, :, i1:i2] = W1
         W[:, :, i2:] -= torch.bmm(Err1, Hinv[:, i1:i2, i2:])
 
     W = torch.gather(W, -1, torch.argsort(perm, dim=-1).unsqueeze(-2).expand(-1, rows, -1))
     return W.to(weight.dtype)
+
+
+def _column_loop(W1, Err1, Hinv1, col_scale, col_zp, column_args) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPTQ's column loop over one block, in place: each column quantized, its error (kept in Err1) spread
+    over the block's later columns."""
+    batch, rows, width = W1.shape
+    for i in range(width):
+        w = W1[:, :, i]
+        q = fake_quantize(w.reshape(-1, 1), col_scale[:, :, i].reshape(-1, 1),
+                          None if col_zp is None else col_zp[:, :, i].reshape(-1, 1),
+                          column_args).reshape(batch, rows)
+        err = (w - q) / Hinv1[:, i, i].unsqueeze(-1)
+        W1[:, :, i] = q
+        Err1[:, :, i] = err
+        W1[:, :, i + 1:] -= err.unsqueeze(-1) * Hinv1[:, i, i + 1:].unsqueeze(-2)
+    return W1, Err1
+
+
+class _GraphedLoop:
+    """`_column_loop` as one CUDA graph, captured on a solve's first full block and replayed on the others:
+    the very kernels (so the very bits) without Python launching the ~20 tiny ones of every column, which
+    bounds the eager loop on a GPU. `capture` gives None where capturing fails: the loop then runs eagerly."""
+
+    warned = False
+
+    def __init__(self, static: list, graph):
+        self.static, self.graph = static, graph
+
+    @classmethod
+    def capture(cls, block: list, column_args) -> "_GraphedLoop | None":
+        static = [None if t is None else t.clone() for t in block]
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm up on copies: first calls allocate and cache what a graph cannot
+                _column_loop(*[None if t is None else t.clone() for t in static], column_args)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # the I/O thread may copy meanwhile
+                _column_loop(*static, column_args)
+        except Exception as e:  # any failure to capture leaves the eager loop, which is correct
+            if not cls.warned:
+                cls.warned = True
+                log.warning("GPTQ's column loop could not be captured as a CUDA graph (%s); it runs eagerly", e)
+            return None
+        return cls(static, graph)
+
+    def __call__(self, block: list) -> tuple[torch.Tensor, torch.Tensor]:
+        for mine, new in zip(self.static, block):
+            if mine is not None:
+                mine.copy_(new)
+        self.graph.replay()
+        return self.static[0], self.static[1]
 
 
 def quantize(weight: torch.Tensor, hessian: torch.Tensor, args: QuantizationArgs, block_size: int = 128,
