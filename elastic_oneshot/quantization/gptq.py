@@ -341,14 +341,18 @@ class _GraphedLoop:
     def capture(cls, block: list, column_args) -> "_GraphedLoop | None":
         static = [None if t is None else t.clone() for t in block]
         try:
-            side = torch.cuda.Stream()
+            side, graph = torch.cuda.Stream(), torch.cuda.CUDAGraph()
             side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm up on copies: first calls allocate and cache what a graph cannot
-                _column_loop(*[None if t is None else t.clone() for t in static], column_args)
+            with torch.cuda.stream(side):
+                _column_loop(*[None if t is None else t.clone() for t in static], column_args)  # warm-up, on copies
+                # capture_begin, not torch.cuda.graph, which collects garbage and empties the cache every time;
+                # thread_local: the I/O thread may copy meanwhile
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    _column_loop(*static, column_args)
+                finally:
+                    graph.capture_end()
             torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # the I/O thread may copy meanwhile
-                _column_loop(*static, column_args)
         except Exception as e:  # any failure to capture leaves the eager loop, which is correct
             if not cls.warned:
                 cls.warned = True
