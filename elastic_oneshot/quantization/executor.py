@@ -47,6 +47,13 @@ def _batches(items: list, key, size, limit: int = 2**27) -> list[list]:
     return out
 
 
+def _as_batch(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The tensors as one batch (one alone: a view), the list emptied, so that only the batch holds them."""
+    out = torch.stack(tensors) if len(tensors) > 1 else tensors[0][None]
+    tensors.clear()
+    return out
+
+
 def _wait(works):
     for w in works:
         if w is not None:
@@ -113,7 +120,7 @@ class Executor:
                  self.world.reduce_to(hessians[g.name], self.owners[g.name]) for g in self.groups]
         self._reduce_ranges(ranges or {})
         _wait(works)
-        self.hessian = {g.name: hessians[g.name] / num_samples for g in self.groups
+        self.hessian = {g.name: hessians[g.name].div_(num_samples) for g in self.groups  # in place: a GPU's peak
                         if self.owners[g.name] == self.world.rank or g.name in self.spread}
         hessians.clear()
         do = {StepKind.WHOLE: self.whole, StepKind.FACTOR: self.factor, StepKind.PANEL: self.panel,
@@ -131,8 +138,9 @@ class Executor:
         elif (s.group.name, 0) not in self.slices:  # else solved with an earlier step of its batch
             batch = self.batch_of[id(s)]
             args = self.args[s.group.name]
-            prep = gptq.prepare(torch.stack([self.hessian.pop(o.group.name) for o in batch]), args.actorder,
-                                self.frac)
+            # factor, then invert, with no frame holding the fp64 sums: factor lets them go once ordered
+            prep = gptq.invert(gptq.factor(_as_batch([self.hessian.pop(o.group.name) for o in batch]),
+                                           args.actorder, self.frac))
             r = gptq.solve(torch.stack([self._rows(o) for o in batch]), prep, args, self.block,
                            *self._scales(batch))
             for i, o in enumerate(batch):
