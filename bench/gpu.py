@@ -142,6 +142,8 @@ def bench(name: str, a, env: dict, peer: bool) -> dict:
     print(f"our seconds per phase, over {layers} layers:")
     for key, label in PHASES:
         print(f"  {label:24}{seconds[key]:9.2f} s")
+    print(f"  {'the rest of the wall':24}{ours['wall'] - sum(seconds.values()):9.2f} s   (imports, tokenizing, "
+          "embedding, the trial of layer 0, export)")
     print(f"  {'(not in the events)':24} boundary writes: behind the computation, in the I/O thread")
     if a.durability:
         off, on = runs["0"]["wall"], runs["auto"]["wall"]
