@@ -8,7 +8,7 @@
 #                   (each meant to fit one 10-minute device call; not yet measured: --samples 64 if not)
 #   durability      bench/gpu.py --durability --skip-peer on the Llama: auto against 0
 #   all             within one 10-minute call: the Llama with --durability and the peer, the Qwen3-MoE, then the
-#                   CUDA tests (6 at a time) with what time is left; each cut off at its deadline. As measured on
+#                   CUDA tests (8 at a time) with what time is left; each cut off at its deadline. As measured on
 #                   an H200 (2026-11-26): the Llama's models 23 s, ours 118 s a run, the peer's 121 s; the Qwen3-MoE's
 #                   models 21 s, ours 63 s; the tests more than 150 s at 5 at a time
 # Arguments after the step go to pytest or bench/gpu.py (`llama3-8b --samples 64`). Logs go to $OUT (the device tool's folder that comes back), else /tmp/gpu-session.
@@ -47,8 +47,8 @@ case "$step" in
     all) start=$SECONDS
         step_until() { local until=$1; shift; timeout $((until - (SECONDS - start))) bash "$0" "$@"
             echo "== $1: exit $? at $((SECONDS - start)) s"; }
-        step_until 330 llama3-8b --durability
-        step_until 470 qwen3-30b-a3b
-        step_until 585 tests -n 6 ;;
+        step_until 300 llama3-8b --durability
+        step_until 450 qwen3-30b-a3b
+        step_until 585 tests -n 8 ;;
     *) echo "unknown step $step"; exit 2 ;;
 esac
