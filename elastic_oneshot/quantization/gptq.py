@@ -229,7 +229,9 @@ def factor(hessian: torch.Tensor, actorder, dampening_frac: float = 0.01) -> Pre
         f, frac = (None, None) if untouched[b] else _damped_factor(H[b], dampening_frac, wide)
         out.append(torch.eye(cols, device=H.device) if f is None else f)
         damping.append(None if f is None else frac)
-    return (Factored if wide else Prepared)(torch.stack(out) if len(out) > 1 else out[0][None], perm, dead, damping)
+    # contiguous as before (an upper factor is a transposed view): collectives and the solve's products need it
+    return (Factored if wide else Prepared)(torch.stack(out) if len(out) > 1 else out[0].contiguous()[None], perm,
+                                            dead, damping)
 
 
 @one_thread()
