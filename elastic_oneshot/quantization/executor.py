@@ -141,8 +141,7 @@ class Executor:
             # factor, then invert, with no frame holding the fp64 sums: factor lets them go once ordered
             prep = gptq.invert(gptq.factor(_as_batch([self.hessian.pop(o.group.name) for o in batch]),
                                            args.actorder, self.frac))
-            r = gptq.solve(torch.stack([self._rows(o) for o in batch]), prep, args, self.block,
-                           *self._scales(batch))
+            r = gptq.solve(_as_batch([self._rows(o) for o in batch]), prep, args, self.block, *self._scales(batch))
             for i, o in enumerate(batch):
                 self.slices[(o.group.name, 0)] = r[i]
                 self._note(o.group, prep.damping[i])

@@ -290,7 +290,10 @@ def _solve_rows(weight: torch.Tensor, prep: Prepared, args: QuantizationArgs, bl
                 zero_point: torch.Tensor | None) -> torch.Tensor:
     batch, rows, cols = weight.shape
     perm = prep.perm
-    W = torch.gather(weight.to(torch.float32), -1, perm.unsqueeze(-2).expand(-1, rows, -1))
+    if args.actorder:  # else the order is the identity: no gathers (each a copy of the pass)
+        W = torch.gather(weight.to(torch.float32), -1, perm.unsqueeze(-2).expand(-1, rows, -1))
+    else:
+        W = weight.to(torch.float32, copy=True)
     g_idx = column_groups(cols, args, W.device)[perm]  # [B, d]
     W.masked_fill_(prep.dead.unsqueeze(-2), 0)
     Hinv = prep.hinv
@@ -309,7 +312,8 @@ def _solve_rows(weight: torch.Tensor, prep: Prepared, args: QuantizationArgs, bl
         W[:, :, i1:i2] = W1
         W[:, :, i2:] -= torch.bmm(Err1, Hinv[:, i1:i2, i2:])
 
-    W = torch.gather(W, -1, torch.argsort(perm, dim=-1).unsqueeze(-2).expand(-1, rows, -1))
+    if args.actorder:
+        W = torch.gather(W, -1, torch.argsort(perm, dim=-1).unsqueeze(-2).expand(-1, rows, -1))
     return W.to(weight.dtype)
 
 
