@@ -10,9 +10,10 @@ group 128: a Llama-3-8B-shaped model cut to its first 8 decoder layers, and a Qw
 
 Each side runs in its own process, one after the other; wall time and peak host RSS are that process's (start to
 saved checkpoint, imports included), peak GPU memory is PyTorch's allocator's in it. Our seconds per phase are summed
-from the state's events (each layer's commit event): on a GPU they are host time, so work queued on the device is
-counted in the phase that waits for it. Without llmcompressor (the GPU machine lacks it unless the wheelhouse
-brought it: `launch/wheelhouse.sh --peer`), ours runs alone and the peer is reported as skipped.
+from the state's events (each layer's commit event); on a GPU each phase ends by waiting for the device, so its
+seconds are its own, but the Hessians' share of calibration is host time (the hooks' launches). Without
+llmcompressor (the GPU machine lacks it unless the wheelhouse brought it: `launch/wheelhouse.sh --peer`), ours runs
+alone and the peer is reported as skipped.
 
 On the GPU machine (docs/operations.md, "A GPU session": one device `run` per step, carrying .wheelhouse/):
     launch/wheelhouse.sh --peer                # here, before: .wheelhouse/ (git-ignored)

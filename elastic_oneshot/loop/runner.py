@@ -56,7 +56,14 @@ def _timed(seconds: dict, phase: str):
     try:
         yield
     finally:
+        _device_done()
         seconds[phase] = seconds.get(phase, 0.0) + time.perf_counter() - start
+
+
+def _device_done():
+    """On a GPU, wait for the work queued so far: a phase's seconds are then its own, not the next phase's."""
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 @dataclasses.dataclass
@@ -243,6 +250,7 @@ class Runner:
                     calib.run(module, sample, self.inputs.kwargs(layer))
                 calib.end_chunk()
         calib.remove()
+        _device_done()
         seconds["hessian"] = seconds.get("hessian", 0.0) + calib.seconds
         seconds["calibrate"] = seconds.get("calibrate", 0.0) + time.perf_counter() - start - calib.seconds
         return calib
