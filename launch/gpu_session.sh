@@ -5,7 +5,7 @@
 #                   if torch sees no GPU
 #   llama3-8b       bench/gpu.py at full size: 8 layers, 256 x 2048 tokens
 #   qwen3-30b-a3b   bench/gpu.py at full size: 2 layers, 128 experts, 128 x 2048 tokens
-#                   (each meant to fit one 10-minute device call; not yet measured: --samples 64 if not)
+#                   (each fits one 10-minute device call: see `all` for the times measured)
 #   durability      bench/gpu.py --durability --skip-peer on the Llama: auto against 0
 #   all             within one 10-minute call: the Llama with --durability and the peer, the Qwen3-MoE, then the
 #                   CUDA tests (8 at a time) with what time is left; each cut off at its deadline. As measured on

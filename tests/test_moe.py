@@ -13,7 +13,7 @@ import transformers
 
 from elastic_oneshot import oneshot
 from elastic_oneshot.loop.data import heldout_samples
-from elastic_oneshot.models.moe import Experts
+from elastic_oneshot.models.moe import Experts, _routed
 from elastic_oneshot.models.source import SourceModel
 from elastic_oneshot.testing.peer import run_peer
 from elastic_oneshot.testing.runs import int_codes, one_thread_env, run_cli, torchrun_cmd, tree_digest, workers
@@ -67,6 +67,19 @@ def test_experts_stored_fused_reproduce_the_block_bitwise(model_type, all_expert
         expected, got = original(x), ours(x)
     expected, got = (expected[0], got[0]) if isinstance(expected, tuple) else (expected, got)
     assert torch.equal(expected, got)
+
+
+def test_routing_gives_each_experts_slots_and_tokens_in_the_searched_order():
+    """moe._routed (one sort and one count) gives what a search per expert gives: each expert's top-k slots and
+    tokens in slot-then-token order (the order its rows are computed and added in), empty for experts no token
+    chose."""
+    g = torch.Generator().manual_seed(0)
+    for tokens, k, experts in [(40, 2, 8), (300, 8, 64), (1, 1, 4)]:
+        index = torch.stack([torch.randperm(experts // 2, generator=g)[:k] for _ in range(tokens)])  # half unused
+        hit = torch.nn.functional.one_hot(index, experts).permute(2, 1, 0)
+        for e, (slots, ids) in enumerate(_routed(index, experts)):
+            want_slots, want_ids = torch.where(hit[e])
+            assert torch.equal(slots, want_slots) and torch.equal(ids, want_ids)
 
 
 @pytest.fixture(scope="module")
