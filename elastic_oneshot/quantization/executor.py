@@ -47,13 +47,6 @@ def _batches(items: list, key, size, limit: int = 2**27) -> list[list]:
     return out
 
 
-def _as_batch(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The tensors as one batch (one alone: a view), the list emptied, so that only the batch holds them."""
-    out = torch.stack(tensors) if len(tensors) > 1 else tensors[0][None]
-    tensors.clear()
-    return out
-
-
 def _wait(works):
     for w in works:
         if w is not None:
@@ -139,9 +132,9 @@ class Executor:
             batch = self.batch_of[id(s)]
             args = self.args[s.group.name]
             # factor, then invert, with no frame holding the fp64 sums: factor lets them go once ordered
-            prep = gptq.invert(gptq.factor(_as_batch([self.hessian.pop(o.group.name) for o in batch]),
+            prep = gptq.invert(gptq.factor(gptq.as_batch([self.hessian.pop(o.group.name) for o in batch]),
                                            args.actorder, self.frac))
-            r = gptq.solve(_as_batch([self._rows(o) for o in batch]), prep, args, self.block, *self._scales(batch))
+            r = gptq.solve(gptq.as_batch([self._rows(o) for o in batch]), prep, args, self.block, *self._scales(batch))
             for i, o in enumerate(batch):
                 self.slices[(o.group.name, 0)] = r[i]
                 self._note(o.group, prep.damping[i])

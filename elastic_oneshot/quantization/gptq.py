@@ -229,9 +229,7 @@ def factor(hessian: torch.Tensor, actorder, dampening_frac: float = 0.01) -> Pre
         f, frac = (None, None) if untouched[b] else _damped_factor(H[b], dampening_frac, wide)
         out.append(torch.eye(cols, device=H.device) if f is None else f)
         damping.append(None if f is None else frac)
-    # contiguous as before (an upper factor is a transposed view): collectives and the solve's products need it
-    return (Factored if wide else Prepared)(torch.stack(out) if len(out) > 1 else out[0].contiguous()[None], perm,
-                                            dead, damping)
+    return (Factored if wide else Prepared)(as_batch(out), perm, dead, damping)
 
 
 @one_thread()
@@ -257,8 +255,15 @@ def invert(factored: Prepared | Factored) -> Prepared:
         return factored
     cols = factored.chol.shape[-1]
     hinv = [assemble((inverse_rows(L, s, e) for s, e in inverse_pieces(cols)), cols) for L in factored.chol]
-    return Prepared(torch.stack(hinv) if len(hinv) > 1 else hinv[0][None], factored.perm, factored.dead,
-                    factored.damping)
+    return Prepared(as_batch(hinv), factored.perm, factored.dead, factored.damping)
+
+
+def as_batch(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The tensors as one contiguous batch (one alone: no copy if contiguous; an upper Cholesky factor is a
+    transposed view, which collectives refuse), the list emptied, so that only the batch holds them."""
+    out = torch.stack(tensors) if len(tensors) > 1 else tensors[0].contiguous()[None]
+    tensors.clear()
+    return out
 
 
 def prepare(hessian: torch.Tensor, actorder, dampening_frac: float = 0.01) -> Prepared:
@@ -350,7 +355,7 @@ class _GraphedLoop:
             side, graph = torch.cuda.Stream(), torch.cuda.CUDAGraph()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                _column_loop(*[None if t is None else t.clone() for t in static], column_args)  # warm-up, on copies
+                _column_loop(*static, column_args)  # warm-up; a graph records addresses, and replays refill them
                 # capture_begin, not torch.cuda.graph, which collects garbage and empties the cache every time;
                 # thread_local: the I/O thread may copy meanwhile
                 graph.capture_begin(capture_error_mode="thread_local")
