@@ -2,12 +2,16 @@
 everything checkable (paths, shards, tensors, --seq-len, the dataset) is checked before layer 0."""
 
 import json
+import math
 import os
+import resource
 import shutil
+import struct
 import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 from safetensors.torch import load_file, save_file
 
@@ -208,3 +212,47 @@ def test_a_second_job_on_the_same_output_is_refused_before_work(tiny_llama, tmp_
     assert not (second / "commits").exists()
     run_cli("run", "--model", tiny_llama, "--output", out, "--state", first, *JOB)  # A resumes and finishes
     assert sorted(p for p in os.listdir(tmp_path) if p != "b.state") == ["a.state", "out"]  # no OUT.partial left
+
+
+def _resized(model_dir, shapes: dict):
+    """Replace the fp32 model's safetensors by one file of the same tensors, those in `shapes` with those shapes
+    and never written: a sparse file, of which they read as zeros."""
+    tensors = {}
+    for shard in model_dir.glob("*.safetensors"):
+        tensors.update(load_file(shard))
+        shard.unlink()
+    header, end = {"__metadata__": {"format": "pt"}}, 0
+    for name, t in tensors.items():
+        shape = shapes.get(name, list(t.shape))
+        header[name] = {"dtype": "F32", "shape": shape, "data_offsets": [end, end + 4 * math.prod(shape)]}
+        end += 4 * math.prod(shape)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    with open(model_dir / "model.safetensors", "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        base = f.tell()
+        for name, t in tensors.items():
+            if name not in shapes:
+                f.seek(base + header[name]["data_offsets"][0])
+                f.write(t.numpy().tobytes())
+        f.truncate(base + end)
+
+
+def test_a_layer_larger_than_memory_is_refused_before_work(model_copy, tmp_path):
+    """A layer whose weights alone exceed the host's available memory would be killed for memory when reached, and
+    again at every restart: refused at start. Here the MLP makes each layer twice what is available now; its
+    weights are never written (a sparse file), and the run may map at most 16 GiB, so that without the check it
+    fails here, not the machine."""
+    with open(model_copy / "config.json") as f:
+        config = json.load(f)
+    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
+    inner = 64 * math.ceil(2 * psutil.virtual_memory().available / (3 * 4 * hidden * 64))
+    config["intermediate_size"] = inner
+    with open(model_copy / "config.json", "w") as f:
+        json.dump(config, f)
+    _resized(model_copy, {f"model.layers.{i}.mlp.{p}.weight": [hidden, inner] if p == "down_proj" else [inner, hidden]
+                          for i in range(layers) for p in ("gate_proj", "up_proj", "down_proj")})
+    cap = lambda: resource.setrlimit(resource.RLIMIT_AS, (16 << 30, 16 << 30))  # noqa: E731
+    refused(run_cli("run", "--model", model_copy, "--output", tmp_path / "o", *JOB, check=False, preexec_fn=cap),
+            "layer 0's weights take")
+    assert not (tmp_path / "o.state" / "job.json").exists()

@@ -92,11 +92,17 @@ class World:
         """Bytes free on this rank's device now: the GPU's, or the host's available memory."""
         if self.device.type == "cuda":
             return torch.cuda.mem_get_info(self.device)[0]
-        try:
-            with open("/proc/meminfo") as f:
-                return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-        except (OSError, StopIteration):
-            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return _host_available()
+
+    def memory_for_a_layer(self) -> list[tuple[str, int]]:
+        """(where, bytes) this rank can hold a layer in now: its share of the host's available memory (every
+        local rank loads the same layer at once), and on a GPU the device's free memory."""
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        out = [(f"rank {self.rank}'s host" + (f" (its share: {local} ranks load a layer there)" if local > 1 else ""),
+                _host_available() // local)]
+        if self.device.type == "cuda":
+            out.append((f"rank {self.rank}'s {torch.cuda.get_device_name(self.device)}", self.free_memory()))
+        return out
 
     def gather_objects(self, obj) -> list:
         """Every rank's `obj` on every rank (small JSON-like values only)."""
@@ -146,3 +152,11 @@ class World:
             dist.barrier()
             self._stop.set()
             dist.destroy_process_group()
+
+
+def _host_available() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

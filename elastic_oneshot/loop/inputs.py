@@ -65,7 +65,7 @@ class LayerInputs:
             with torch.inference_mode():
                 x = inputs.embedder(torch.zeros(1, inputs.seq_len, dtype=torch.int64))
                 inputs.forward(source.load_layer(0).to(inputs.device), 0, x.to(inputs.device))
-        except (UsageError, signals.Preempted, torch.OutOfMemoryError):
+        except (UsageError, signals.Preempted, torch.OutOfMemoryError, MemoryError):  # not the model's fault
             raise
         except Exception as e:
             frame = traceback.extract_tb(e.__traceback__)[-1]

@@ -272,6 +272,10 @@ class SourceModel:
                              "unsupported architecture")
         return module.requires_grad_(False).eval()
 
+    def layer_bytes(self) -> list[int]:
+        """Each decoder layer's weights in memory (as `load_layer` reads them), from the skeleton's shapes."""
+        return [sum(t.nbytes for t in layer.state_dict().values()) for layer in self.layers]
+
     def load_layer(self, index: int) -> torch.nn.Module:
         return self.load(self.layers[index], f"{self.layer_prefix}{index}.")
 
