@@ -101,7 +101,8 @@ class Executor:
                                                     lambda s: s.group.cols * (s.group.rows + s.group.cols)) for s in b}
         self.hessian: dict[str, torch.Tensor] = {}  # normalized, of the groups this rank factors
         self.shared: dict[str, SharedFactor] = {}
-        self.slices: dict[tuple[str, int], torch.Tensor] = {}  # (group, first row) -> rows of a whole or solve step
+        self.slices: dict[str, torch.Tensor] = {}  # whole groups' results
+        self.results: dict[str, torch.Tensor] = {}  # shared groups' results, filled step by step
         self.pending: list = []  # broadcasts of results
         self.damping: dict[Group, float | None] = {}
 
@@ -127,19 +128,19 @@ class Executor:
     def whole(self, s: Step):
         """Factor, invert and solve a group on its rank, with the other groups of its batch."""
         if s.rank != self.world.rank:
-            self.slices[(s.group.name, 0)] = self._placeholder(s)
-        elif (s.group.name, 0) not in self.slices:  # else solved with an earlier step of its batch
+            self.slices[s.group.name] = self._empty(s.group.rows, s.group.cols, dtype=self._dtype(s.group))
+        elif s.group.name not in self.slices:  # else solved with an earlier step of its batch
             batch = self.batch_of[id(s)]
-            args = self.args[s.group.name]
             # factor, then invert, with no frame holding the fp64 sums: factor lets them go once ordered
             prep = gptq.invert(gptq.factor(gptq.as_batch([self.hessian.pop(o.group.name) for o in batch]),
-                                           args.actorder, self.frac))
-            r = gptq.solve(gptq.as_batch([self._rows(o) for o in batch]), prep, args, self.block, *self._scales(batch))
+                                           self.args[s.group.name].actorder, self.frac))
+            g = s.group
+            r = self._solve(batch, prep, self._empty(len(batch), g.rows, g.cols, dtype=self._dtype(g)))
             for i, o in enumerate(batch):
-                self.slices[(o.group.name, 0)] = r[i]
+                self.slices[o.group.name] = r[i]
                 self._note(o.group, prep.damping[i])
-            self.on_solved([(o.group, self.slices[(o.group.name, 0)]) for o in batch])
-        self._broadcast(s)
+            self.on_solved([(o.group, self.slices[o.group.name]) for o in batch])
+        self.pending.append(self.world.broadcast(self.slices[s.group.name], s.rank))
 
     def factor(self, s: Step):
         """A shared group's factor, on one rank, to every rank."""
@@ -175,28 +176,22 @@ class Executor:
         f.inverse[s.start] = (piece, self.world.broadcast(piece, s.rank))
 
     def solve(self, s: Step):
-        """Rows start:end of a shared group, to every rank."""
+        """Rows start:end of a shared group, into the group's result, to every rank."""
+        g = s.group
+        if g.name not in self.results:
+            self.results[g.name] = self._empty(g.rows, g.cols, dtype=self._dtype(g))
+        out = self.results[g.name][s.start:s.end]
         if s.rank == self.world.rank:
-            r = gptq.solve(self._rows(s)[None], self._prepared(s.group), self.args[s.group.name], self.block,
-                           *self._scales([s]))
-            self.slices[(s.group.name, s.start)] = r[0]
-        else:
-            self.slices[(s.group.name, s.start)] = self._placeholder(s)
-        self._broadcast(s)
+            self._solve([s], self._prepared(g), out[None])
+        self.pending.append(self.world.broadcast(out, s.rank))
 
     # -- the rest ----------------------------------------------------------------------------------------
     def assemble(self) -> dict[str, torch.Tensor]:
-        """Shared groups' row slices joined; the shared groups this rank owns handed to `on_solved`."""
-        results = {}
+        """Every group's result; the shared groups this rank owns handed to `on_solved`."""
         for g in self.groups:
             if g.name in self.spread and self.owners[g.name] == self.world.rank:
                 self._note(g, self._prepared(g).damping[0])
-            if self.plan.shared(g):
-                parts = [self.slices[(g.name, s.start)] for s in sorted(self.plan.steps, key=lambda s: s.start)
-                         if s.group is g and s.kind == StepKind.SOLVE]
-                results[g.name] = torch.cat(parts)
-            else:
-                results[g.name] = self.slices[(g.name, 0)]
+        results = {**self.slices, **self.results}
         owned = [(g, results[g.name]) for g in self.groups if self.owners[g.name] == self.world.rank and
                  self.plan.shared(g)]
         if owned:
@@ -231,8 +226,27 @@ class Executor:
                 f.prepared = gptq.Prepared.unpack(f.matrix, f.meta)
         return f.prepared
 
-    def _rows(self, s: Step) -> torch.Tensor:
-        return torch.cat([self.weights[name][lo:hi] for name, lo, hi in s.pieces()])
+    def _solve(self, steps: list[Step], prep: gptq.Prepared, out: torch.Tensor) -> torch.Tensor:
+        """GPTQ of the steps' rows (a batch of one shape) into `out` [B, rows, cols], pass by pass (gptq.passes),
+        each pass's rows taken from the modules' weights as it starts: no copy of a whole group's rows is made
+        (an MoE layer's gate/up group, shared by every expert in all-experts calibration, holds all of theirs)."""
+        args, (scale, zero_point) = self.args[steps[0].group.name], self._scales(steps)
+        for lo, hi in gptq.passes(*out.shape):
+            rows = gptq.as_batch([self._rows(s, lo, hi) for s in steps])
+            gptq.solve(rows, prep, args, self.block, scale[:, lo:hi],
+                       None if zero_point is None else zero_point[:, lo:hi], out=out[:, lo:hi])
+        return out
+
+    def _rows(self, s: Step, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+        """Rows lo:hi (default: all) of a step's rows, stacked from its modules' weights: a view where they lie
+        in one module."""
+        hi, parts, at = s.end - s.start if hi is None else hi, [], 0
+        for name, a, b in s.pieces():
+            first, last = max(lo - at, 0), min(hi - at, b - a)
+            if first < last:
+                parts.append(self.weights[name][a + first:a + last])
+            at += b - a
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _batch_key(self, s: Step):
         """Whole groups solved in one batch: same shape, same quantization."""
@@ -261,12 +275,8 @@ class Executor:
         for i, n in enumerate(names):
             ranges[n] = torch.stack([slots[:, i, 0].amin(), slots[:, i, 1].amax()]).to(ranges[n].dtype)
 
-    def _placeholder(self, s: Step) -> torch.Tensor:
-        """Where another rank's rows start:end of a group arrive."""
-        return self._empty(s.end - s.start, s.group.cols, dtype=self.weights[s.group.name].dtype)
-
-    def _broadcast(self, s: Step):
-        self.pending.append(self.world.broadcast(self.slices[(s.group.name, s.start)], s.rank))
+    def _dtype(self, g: Group) -> torch.dtype:
+        return self.weights[g.name].dtype
 
     def _empty(self, *shape, dtype=torch.float32) -> torch.Tensor:
         return torch.empty(*shape, dtype=dtype, device=self.world.device)

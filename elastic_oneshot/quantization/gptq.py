@@ -33,7 +33,7 @@ from elastic_oneshot.quantization.cholesky import (
 
 log = logging.getLogger(__name__)
 DAMPING_RETRIES = 3  # each retry multiplies the damping fraction by 10
-SOLVE_ELEMENTS = 2**27  # weights per pass of `solve`: its fp32 copies of them, 512 MB each at most
+SOLVE_ELEMENTS = 2**27  # weights per pass of `solve`
 
 
 HESSIAN_BLOCK = 192  # row blocks of the lower triangle
@@ -272,23 +272,31 @@ def prepare(hessian: torch.Tensor, actorder, dampening_frac: float = 0.01) -> Pr
 
 
 def solve(weight: torch.Tensor, prep: Prepared, args: QuantizationArgs, block_size: int = 128,
-          scale: torch.Tensor | None = None, zero_point: torch.Tensor | None = None) -> torch.Tensor:
+          scale: torch.Tensor | None = None, zero_point: torch.Tensor | None = None,
+          out: torch.Tensor | None = None) -> torch.Tensor:
     """The O(rows * d^2) part for a batch [B, rows, d] of any rows (rows are independent given `prep`): the
-    fake-quantized weight. `scale`, `zero_point`: [B, rows, column groups] from `row_qparams` of the rows' modules;
-    omitted, they come from these rows alone (per-row strategies: channel, group). Rows go in passes of at most
-    SOLVE_ELEMENTS weights, so that the fp32 working set of a group of many experts' rows stays bounded."""
+    fake-quantized weight, written into `out` where given. `scale`, `zero_point`: [B, rows, column groups] from
+    `row_qparams` of the rows' modules; omitted, they come from these rows alone (per-row strategies: channel,
+    group). Rows go in `passes`, so that the fp32 working set of a group of many experts' rows stays bounded."""
     if scale is None:
         scale, zero_point = qparams(weight, args)
         zero_point = None if args.symmetric else zero_point
-    step = max(1, SOLVE_ELEMENTS // (weight.shape[0] * weight.shape[2]))
-    if weight.shape[1] <= step:
+    ranges = passes(*weight.shape)
+    if out is None and len(ranges) == 1:
         return _solve_rows(weight, prep, args, block_size, scale, zero_point)
-    out = torch.empty_like(weight)
-    for r in range(0, weight.shape[1], step):
-        part = slice(r, r + step)
+    out = torch.empty_like(weight) if out is None else out
+    for lo, hi in ranges:
+        part = slice(lo, hi)
         out[:, part] = _solve_rows(weight[:, part], prep, args, block_size, scale[:, part],
                                    None if zero_point is None else zero_point[:, part])
     return out
+
+
+def passes(batch: int, rows: int, cols: int) -> list[tuple[int, int]]:
+    """The row ranges `solve` takes at a time: at most SOLVE_ELEMENTS weights of the batch each (a pass's fp32
+    copies of them, 512 MB each at most)."""
+    step = max(1, SOLVE_ELEMENTS // (batch * cols))
+    return [(lo, min(lo + step, rows)) for lo in range(0, rows, step)]
 
 
 def _solve_rows(weight: torch.Tensor, prep: Prepared, args: QuantizationArgs, block_size: int, scale: torch.Tensor,
