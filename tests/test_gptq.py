@@ -131,3 +131,7 @@ def test_hessian_triangle_equals_full_product(cols):
     lower = torch.zeros(cols, cols)
     gptq.hessian_add(lower, x, 512)
     assert torch.equal(gptq.symmetric(lower), full)
+    total = torch.randn(cols, cols, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    expected = total + gptq.symmetric(lower)
+    gptq.fold(total, lower)  # the chunk's sums into the fp64 total by row blocks, in place: the same bits
+    assert torch.equal(total, expected)

@@ -71,7 +71,7 @@ class Calibration:
 
     def end_chunk(self):
         for leader, partial in self.chunk.items():
-            self.hessian[leader] += gptq.symmetric(partial)
+            gptq.fold(self.hessian[leader], partial)
             partial.zero_()
 
     def remove(self):

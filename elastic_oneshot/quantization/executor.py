@@ -201,7 +201,8 @@ class Executor:
     def _spread(self, g: Group) -> SharedFactor:
         """A spread group's factor: this rank's copy of the column pieces, from the all-reduced Hessian."""
         if g.name not in self.shared:
-            h, perm, dead, _ = gptq.order(self.hessian[g.name][None], self.args[g.name].actorder)
+            h, perm, dead, _ = gptq.order(self.hessian[g.name][None].to(torch.float32, copy=True),
+                                          self.args[g.name].actorder)
             starts = [start for start, _ in cholesky_panels(g.cols)]
             matrix = torch.zeros(1, g.cols, g.cols, device=self.world.device)
             self.shared[g.name] = SharedFactor(

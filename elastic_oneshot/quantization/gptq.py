@@ -86,6 +86,19 @@ def symmetric(lower: torch.Tensor) -> torch.Tensor:
     return lower.tril() + lower.tril(-1).mT
 
 
+def fold(total: torch.Tensor, lower: torch.Tensor):
+    """total (fp64) += `symmetric(lower)` (a chunk's fp32 `hessian_add` sums), by row blocks: no temporary the
+    size of either (an attention output's Hessian of 16384 inputs is 1 GiB in fp32). `lower` is made
+    symmetric in place (above its diagonal it held nothing the total needs)."""
+    d = lower.shape[-1]
+    for r in range(0, d, HESSIAN_BLOCK):
+        e = min(r + HESSIAN_BLOCK, d)
+        block = lower[r:e, r:e]
+        block.copy_(symmetric(block))
+        lower[r:e, e:] = lower[e:, r:e].mT  # rows below are still lower-triangular here
+        total[r:e] += lower[r:e]
+
+
 class QParams(NamedTuple):
     """A module's quantization parameters, from its whole original weight, fixed during the solve."""
 
@@ -189,10 +202,9 @@ def _unpack_order(meta: torch.Tensor, d: int) -> tuple[torch.Tensor, torch.Tenso
     return meta[:, :d].long(), meta[:, d:2 * d].bool(), damping
 
 
-def order(hessian: torch.Tensor, actorder):
-    """Hessians [B, d, d] in fp32 in the solve's column order, dead columns' diagonals set to 1; the order,
-    the dead columns, and which Hessians no token reached."""
-    H = hessian.to(torch.float32, copy=True)
+def order(H: torch.Tensor, actorder):
+    """Hessians [B, d, d] (fp32, changed in place) in the solve's column order, dead columns' diagonals set to 1;
+    the order, the dead columns, and which Hessians no token reached."""
     batch, cols, _ = H.shape
     diag = torch.diagonal(H, dim1=-2, dim2=-1)
     if actorder:
@@ -220,8 +232,9 @@ def factor(hessian: torch.Tensor, actorder, dampening_frac: float = 0.01) -> Pre
     damped inverse's upper Cholesky factor; for wide ones (cholesky.cholesky_panels) only the Cholesky
     factor, which `invert` completes. Not positive definite: retried with more damping. No token reached
     it (all zero), or no damping helped: round-to-nearest (an identity factor)."""
-    H, perm, dead, untouched = order(hessian, actorder)
-    del hessian  # the caller's fp64 total (twice H's memory): a GPU's peak is this step's, for wide Hessians
+    H = hessian.to(torch.float32, copy=True)
+    del hessian  # the caller's fp64 total (twice H's memory), let go before `order` copies H: the peak of wide ones
+    H, perm, dead, untouched = order(H, actorder)
     cols = H.shape[-1]
     wide = bool(cholesky_panels(cols))
     out, damping = [], []
