@@ -6,6 +6,7 @@ Qwen3-30B-A3B-shaped model (hidden 2048, 128 experts, 8 routed, expert intermedi
     python bench/scale.py --no-peer            # ours only
     python bench/scale.py --peer-max-gb 18     # kill the peer when its RSS passes 18 GiB
     python bench/scale.py --depths 1,2 --experts 4 --hidden 128 --samples 2 --seq-len 16   # smoke test
+    python bench/scale.py --shape deepseek-v3 --depths 1 --samples 2   # one DeepSeek-V3 layer (26.7 GB on disk)
 
 Ours is one `python -m elastic_oneshot run` process, as bench/vs_llmcompressor.py launches it; the peer loads the
 model in its checkpoint's dtype (bf16, as ours computes) and calibrates every expert on every token, as ours does.
@@ -18,8 +19,9 @@ run's wall time over its depth, imports and loading included), then ours' spread
 within 10 %), whether ours stays below the peer, and both sides' peak RSS and wall time fitted linearly in depth and
 extrapolated to Qwen3-30B-A3B's 48 layers. --work/result.json holds every figure.
 
-Models are written under --work, one safetensors file per layer, each layer built alone from a meta-device
-skeleton (the writer never holds more than one layer); the depths share those files through hard links, and a
+Models are written under --work, one safetensors file per layer (or per 2 GiB of it), each built alone from a
+meta-device skeleton (the writer never holds more than one file's tensors); the depths share those files through
+hard links, and a
 model directory is reused when its config matches. Outputs are deleted after each run, logs kept.
 Expect about 75-80 s per layer per side on 2 cores: depths 2,4,8 take about 35 minutes, plus a few minutes to
 write the models (10.4 GiB on disk); the smoke test, a minute or two.
@@ -42,18 +44,25 @@ from elastic_oneshot.testing.gpu import SHAPES, random_token_text, word_tokenize
 from elastic_oneshot.testing.peer import run_peer  # llmcompressor on our tokens
 
 GIB = 2**30
-TARGET_LAYERS = 48  # Qwen3-30B-A3B's depth
+PART_BYTES = 2 * GIB  # the most of a layer one file holds
+# --shape: (model type, sizes, the real model's depth, the config's number of routed experts)
+MODELS = {"qwen3-30b-a3b": (*SHAPES["qwen3-30b-a3b"][::2], 48, "num_experts"),
+          "deepseek-v3": ("deepseek_v3", dict(first_k_dense_replace=0, max_position_embeddings=4096,
+                                              tie_word_embeddings=False), 61, "n_routed_experts")}  # otherwise
+# DeepseekV3Config's defaults are DeepSeek-V3's shape; every layer has experts here
 MIN_AVAILABLE = 1 * GIB  # below this much available memory, a side is killed
 SAMPLE_EVERY = 0.05
 
 
-def model_config(depth: int, experts: int, hidden: int):
-    """The Qwen3-30B-A3B shape (elastic_oneshot/testing/gpu.py) at `depth` layers, in bf16."""
+def model_config(shape: str, depth: int, experts: int | None, hidden: int | None):
+    """The `shape` (MODELS) at `depth` layers, in bf16, with fewer experts or a smaller hidden size if given."""
     import transformers
 
-    model_type, _, sizes = SHAPES["qwen3-30b-a3b"]
-    sizes = {**sizes, "num_experts": experts, "hidden_size": hidden,
-             "num_experts_per_tok": min(sizes["num_experts_per_tok"], experts)}
+    model_type, sizes, _, experts_key = MODELS[shape]
+    sizes = {**sizes, **({"hidden_size": hidden} if hidden else {})}
+    if experts:
+        sizes[experts_key] = experts
+        sizes["num_experts_per_tok"] = min(sizes.get("num_experts_per_tok", 8), experts)
     return transformers.AutoConfig.for_model(model_type, num_hidden_layers=depth, dtype="bfloat16",
                                              bos_token_id=1, eos_token_id=2, pad_token_id=2, **sizes)
 
@@ -75,25 +84,38 @@ def save_random(path: str, shapes: dict, std: float, seed: int):
 
 
 def shard_shapes(skeleton) -> list[tuple[str, dict]]:
-    """(file name, {stored tensor name: shape}) for the embeddings, norm and head, then one file per layer, under
-    the names a checkpoint stores (transformers' own conversion reverted: one tensor per expert and projection)."""
+    """(file name, {stored tensor name: shape}) for the embeddings, norm and head, then one file per layer (per
+    PART_BYTES of one, numbered, where a layer is larger), under the names a checkpoint stores (transformers' own
+    conversion reverted: one tensor per expert and projection)."""
     from transformers.core_model_loading import revert_weight_conversion
 
     def stored(prefix: str, module) -> dict:
         meta = {prefix + k: v for k, v in module.state_dict().items()}
         return {k: tuple(v.shape) for k, v in revert_weight_conversion(skeleton, meta).items()}
 
+    def parts(shapes: dict) -> list[dict]:
+        out = [{}]
+        for name, shape in shapes.items():
+            if out[-1] and 2 * sum(torch.Size(s).numel() for s in [*out[-1].values(), shape]) > PART_BYTES:
+                out.append({})
+            out[-1][name] = shape
+        return out
+
     outer = {k: tuple(v.shape) for k, v in skeleton.state_dict().items() if not k.startswith("model.layers.")}
-    return [("outer.safetensors", outer)] + [(f"layer-{i:05d}.safetensors", stored(f"model.layers.{i}.", layer))
-                                             for i, layer in enumerate(skeleton.model.layers)]
+    files = [("outer.safetensors", outer)]
+    for i, layer in enumerate(skeleton.model.layers):
+        split = parts(stored(f"model.layers.{i}.", layer))
+        files += [(f"layer-{i:05d}" + (f"-{k}" if len(split) > 1 else "") + ".safetensors", shapes)
+                  for k, shapes in enumerate(split)]
+    return files
 
 
-def make_model(work: str, depth: int, experts: int, hidden: int) -> str:
+def make_model(work: str, shape: str, depth: int, experts: int | None, hidden: int | None) -> str:
     """The model directory of `depth` layers: its layer files come from a pool shared by every depth of one shape
     (hard links), so that the layers of depth 2 are those of depth 8. Reused when its config is the same."""
     import transformers
 
-    config = model_config(depth, experts, hidden)
+    config = model_config(shape, depth, experts, hidden)
     shape = {k: v for k, v in config.to_dict().items() if k not in ("num_hidden_layers", "transformers_version")}
     tag = hashlib.sha256(json.dumps(shape, sort_keys=True, default=str).encode()).hexdigest()[:8]
     path, pool = os.path.join(work, f"model-{tag}-{depth}L"), os.path.join(work, f"layers-{tag}")
@@ -174,7 +196,7 @@ def tail(log: str, lines: int = 4) -> list[str]:
 
 def run_depth(a, depth: int, data: str, env: dict) -> dict:
     """Both sides on the model of `depth` layers, one after the other; their outputs are deleted after."""
-    model = make_model(a.work, depth, a.experts, a.hidden)
+    model = make_model(a.work, a.shape, depth, a.experts, a.hidden)
     ours, peer = os.path.join(a.work, "ours"), os.path.join(a.work, "peer")
     row = {"depth": depth, "model": model}
     sides = {"ours": ([sys.executable, "-m", "elastic_oneshot", "run", "--model", model, "--dataset", data,
@@ -230,8 +252,9 @@ def fit(points: list[tuple[int, float]], x: float) -> tuple[float, float] | None
     return mv + slope * (x - md), slope
 
 
-def summary(rows: list[dict]):
-    """Ours' spread of peak RSS across depths, ours against the peer, and both extrapolated to 48 layers."""
+def summary(rows: list[dict], target: int):
+    """Ours' spread of peak RSS across depths, ours against the peer, and both extrapolated to the real model's
+    `target` layers."""
     done = {side: [(r["depth"], r[side]) for r in rows if side in r and not r[side]["code"]]
             for side in ("ours", "peer") if any(side in r for r in rows)}
     peaks = [r["peak"] for _, r in done["ours"]]
@@ -249,10 +272,10 @@ def summary(rows: list[dict]):
     failed = [r["depth"] for r in rows if "peer" in r and r["peer"]["code"]]
     if failed:
         print(f"the peer did not finish at depth {', '.join(map(str, failed))} (see above)")
-    print(f"\nextrapolated to {TARGET_LAYERS} layers (least squares, linear in depth, over the depths that finished):")
+    print(f"\nextrapolated to {target} layers (least squares, linear in depth, over the depths that finished):")
     for side, runs in done.items():
-        rss = fit([(d, r["peak"] / GIB) for d, r in runs], TARGET_LAYERS)
-        wall = fit([(d, r["wall"] / 3600) for d, r in runs], TARGET_LAYERS)
+        rss = fit([(d, r["peak"] / GIB) for d, r in runs], target)
+        wall = fit([(d, r["wall"] / 3600) for d, r in runs], target)
         if rss is None:
             print(f"  {side}: needs two depths that finished")
             continue
@@ -269,19 +292,22 @@ def main():
     p.add_argument("--no-peer", action="store_true")
     p.add_argument("--peer-max-gb", type=float, help="kill the peer when its RSS passes this many GiB")
     p.add_argument("--threads", type=int, default=2, help="OMP_NUM_THREADS of both sides")
-    p.add_argument("--experts", type=int, default=128, help="smaller for a smoke test")
-    p.add_argument("--hidden", type=int, default=2048, help="smaller for a smoke test")
+    p.add_argument("--shape", choices=sorted(MODELS), default="qwen3-30b-a3b")
+    p.add_argument("--experts", type=int, help="fewer routed experts than the shape's, for a smoke test")
+    p.add_argument("--hidden", type=int, help="a smaller hidden size than the shape's, for a smoke test")
     p.add_argument("--peer-child", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.peer_child:
         return run_peer(**json.loads(a.peer_child))
     os.makedirs(a.work, exist_ok=True)
-    vocab = SHAPES["qwen3-30b-a3b"][2]["vocab_size"]
+    config = model_config(a.shape, 1, a.experts, a.hidden)
+    vocab = config.vocab_size
     data = random_token_text(os.path.join(a.work, f"tokens-{vocab}-{a.samples}x{a.seq_len}.txt"), vocab,
                              a.samples, a.seq_len)
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "MKL_NUM_THREADS": str(a.threads),
            "CUDA_VISIBLE_DEVICES": "", "TOKENIZERS_PARALLELISM": "false"}
-    print(f"Qwen3-30B-A3B shape: hidden {a.hidden}, {a.experts} experts, vocab {vocab}, random bf16; "
+    experts = getattr(config, MODELS[a.shape][3])
+    print(f"{a.shape} shape: hidden {config.hidden_size}, {experts} experts, vocab {vocab}, random bf16; "
           f"{a.samples} x {a.seq_len} random tokens, W4A16 group 128, {a.threads} threads, "
           f"{psutil.virtual_memory().total / GIB:.0f} GiB of memory", flush=True)
     rows = []
@@ -294,7 +320,7 @@ def main():
               f"{'RSS o/p':>10}{'wall o/p':>10}", flush=True)
         for row in rows:
             print_row(row)
-    summary(rows)
+    summary(rows, MODELS[a.shape][2])
 
 
 if __name__ == "__main__":
