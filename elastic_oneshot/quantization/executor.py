@@ -101,8 +101,7 @@ class Executor:
                                                     lambda s: s.group.cols * (s.group.rows + s.group.cols)) for s in b}
         self.hessian: dict[str, torch.Tensor] = {}  # normalized, of the groups this rank factors
         self.shared: dict[str, SharedFactor] = {}
-        self.slices: dict[str, torch.Tensor] = {}  # whole groups' results
-        self.results: dict[str, torch.Tensor] = {}  # shared groups' results, filled step by step
+        self.results: dict[str, torch.Tensor] = {}  # every group's solved rows (a shared group's, step by step)
         self.pending: list = []  # broadcasts of results
         self.damping: dict[Group, float | None] = {}
 
@@ -127,20 +126,20 @@ class Executor:
     # -- one method per step kind ------------------------------------------------------------------------
     def whole(self, s: Step):
         """Factor, invert and solve a group on its rank, with the other groups of its batch."""
+        g = s.group
         if s.rank != self.world.rank:
-            self.slices[s.group.name] = self._empty(s.group.rows, s.group.cols, dtype=self._dtype(s.group))
-        elif s.group.name not in self.slices:  # else solved with an earlier step of its batch
+            self.results[g.name] = self._empty(g.rows, g.cols, dtype=self._dtype(g))
+        elif g.name not in self.results:  # else solved with an earlier step of its batch
             batch = self.batch_of[id(s)]
-            # factor, then invert, with no frame holding the fp64 sums: factor lets them go once ordered
+            # factor, then invert, with no frame holding the fp64 sums: factor lets them go first
             prep = gptq.invert(gptq.factor(gptq.as_batch([self.hessian.pop(o.group.name) for o in batch]),
-                                           self.args[s.group.name].actorder, self.frac))
-            g = s.group
+                                           self.args[g.name].actorder, self.frac))
             r = self._solve(batch, prep, self._empty(len(batch), g.rows, g.cols, dtype=self._dtype(g)))
             for i, o in enumerate(batch):
-                self.slices[o.group.name] = r[i]
+                self.results[o.group.name] = r[i]
                 self._note(o.group, prep.damping[i])
-            self.on_solved([(o.group, self.slices[o.group.name]) for o in batch])
-        self.pending.append(self.world.broadcast(self.slices[s.group.name], s.rank))
+            self.on_solved([(o.group, r[i]) for i, o in enumerate(batch)])
+        self.pending.append(self.world.broadcast(self.results[g.name], s.rank))
 
     def factor(self, s: Step):
         """A shared group's factor, on one rank, to every rank."""
@@ -191,7 +190,7 @@ class Executor:
         for g in self.groups:
             if g.name in self.spread and self.owners[g.name] == self.world.rank:
                 self._note(g, self._prepared(g).damping[0])
-        results = {**self.slices, **self.results}
+        results = self.results
         owned = [(g, results[g.name]) for g in self.groups if self.owners[g.name] == self.world.rank and
                  self.plan.shared(g)]
         if owned:
