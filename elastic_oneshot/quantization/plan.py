@@ -96,8 +96,8 @@ def layer_groups(layer, names: list[str], shared_inputs: tuple[tuple[str, ...], 
             for g in input_groups(names, shared_inputs, all_experts)]
 
 
-HESSIAN_BYTES = 16  # per Hessian element of a group: in calibration its fp64 total and fp32 chunk sum (12), in
-# the solve the fp64 total (normalized in place) with the fp32 copy that factoring orders
+HESSIAN_BYTES = 16  # per Hessian element of a group, with room: its fp64 total with the fp32 chunk sum in
+# calibration, or with the fp32 copy that factoring makes of it (12 either way)
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,
           "gib": 2**30, "tib": 2**40}
 
