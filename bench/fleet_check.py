@@ -15,7 +15,9 @@ chaos harness (launch/chaos.py's Cluster: `--nnodes 1:2`, one rank a node) whose
 the agent and its worker) at random with mean --mtbp seconds, seeded, each replaced --replacement seconds later, at
 two rates, --histories seeded histories each; predicted as `--nodes 1:2 --gpus-per-node 1` with that MTBP and
 replacement delay. A history is one draw (one in five falls outside p10..p90 by design): a chaos row gives the
-median of its histories against the predicted median, and how many fell within the band.
+median of its histories against the predicted median, and how many fell within the band; the line below it
+predicts each history from its own kill times (fleet.Recorded: the model's timeline, restarts and replays with those
+preemptions), which checks the restart costs history by history rather than through the spread.
 """
 
 import argparse
@@ -39,14 +41,26 @@ RECIPE = Recipe(group_size=64, ignore=("lm_head",))
 CHAOS_CAP_S = 900  # a chaos history longer than this is reported as unfinished
 
 
-def predict(work: F.ModelWork, m: F.Measured, samples: int, seq_len: int, ranks: int, trials: int,
-            mtbp_s: float = math.inf, replacement_s: float = 0.0) -> dict:
-    """The calibrated row: `ranks` ranks of one node, or (with an MTBP) the chaos harness's 1:2 nodes of one rank."""
+def fleet_of(m: F.Measured, samples: int, seq_len: int, ranks: int, trials: int, mtbp_s: float = math.inf,
+             replacement_s: float = 0.0) -> F.Fleet:
+    """The calibrated fleet: `ranks` ranks of one node, or (with an MTBP) the chaos harness's 1:2 nodes of one
+    rank."""
     chaos = mtbp_s < math.inf
-    fleet = F.Fleet(samples=samples, seq_len=seq_len, nodes=(1, 2) if chaos else (1, 1),
-                    gpus_per_node=1 if chaos else ranks, mtbp_hours=mtbp_s / 3600,
-                    replacement_minutes=replacement_s / 60, trials=trials, measured=m)
+    return F.Fleet(samples=samples, seq_len=seq_len, nodes=(1, 2) if chaos else (1, 1),
+                   gpus_per_node=1 if chaos else ranks, mtbp_hours=mtbp_s / 3600,
+                   replacement_minutes=replacement_s / 60, trials=trials, measured=m)
+
+
+def predict(work: F.ModelWork, fleet: F.Fleet) -> dict:
+    """The fleet's last row: its largest node count."""
     return F.report(work, fleet)["rows"][-1]
+
+
+def replayed(work: F.ModelWork, fleet: F.Fleet, kills: list[float]) -> float:
+    """The chaos harness's history predicted from its own kill times (seconds from its start)."""
+    tls = {n: F.timeline(work, fleet, n) for n in (1, 2)}
+    result = F.trial(tls, 2, 1, fleet, F.Recorded(kills))
+    return math.inf if result is None else result[0]
 
 
 def job(samples: int, seq_len: int) -> list:
@@ -67,14 +81,15 @@ def standalone_wall(model: str, samples: int, seq_len: int, ranks: int, work_dir
 
 
 def chaos_wall(model: str, samples: int, seq_len: int, mtbp_s: float, replacement_s: float, seed: int,
-               work_dir: str) -> tuple[float, int]:
+               work_dir: str) -> tuple[float, list[float]]:
     """Seconds of the job on the chaos harness's two nodes, each live node killed with probability dt / mtbp_s in
-    every tick of dt (exponential, seeded), replaced `replacement_s` later; and how many were killed."""
+    every tick of dt (exponential, seeded), replaced `replacement_s` later; and when each kill came (seconds from
+    the start)."""
     from launch.chaos import Cluster
 
     where = os.path.join(work_dir, f"chaos-{mtbp_s:g}")
     shutil.rmtree(where, ignore_errors=True)
-    rng, arrivals, kills = random.Random(seed), [], 0
+    rng, arrivals, kills = random.Random(seed), [], []
     cluster = Cluster(where, model, job(samples, seq_len), max_nodes=2)
     start = last = time.perf_counter()
     try:
@@ -92,7 +107,7 @@ def chaos_wall(model: str, samples: int, seq_len: int, mtbp_s: float, replacemen
                 if not cluster.done() and rng.random() < (now - last) / mtbp_s:
                     node.signal_all(signal.SIGKILL)
                     arrivals.append(now + replacement_s)
-                    kills += 1
+                    kills.append(now - start)
             last = now
         return time.perf_counter() - start, kills
     finally:
@@ -136,7 +151,7 @@ def main():
     lines = []
     shape = (8, 64) if a.quick else (32, 128)
     work, m = calibrated(tiny, *shape)
-    lines.append(row(f"tiny16 W=1 {shape[0]}x{shape[1]}", predict(work, m, *shape, 1, a.trials),
+    lines.append(row(f"tiny16 W=1 {shape[0]}x{shape[1]}", predict(work, fleet_of(m, *shape, 1, a.trials)),
                      standalone_wall(tiny, *shape, 1, a.workdir)))
     if not a.quick:
         lines += smollm2(a)
@@ -152,27 +167,36 @@ def smollm2(a: argparse.Namespace) -> list[str]:
     model, shape, lines = default_model(), (a.samples, a.seq_len), []
     work, m = calibrated(model, *shape)
     for ranks in (1, 2, 3):
-        lines.append(row(f"SmolLM2 W={ranks}", predict(work, m, *shape, ranks, a.trials),
+        lines.append(row(f"SmolLM2 W={ranks}", predict(work, fleet_of(m, *shape, ranks, a.trials)),
                          standalone_wall(model, *shape, ranks, a.workdir)))
         print(lines[-1], flush=True)
     for mtbp in map(float, a.mtbp.split(",")):
-        predicted = predict(work, m, *shape, 2, a.trials, mtbp, a.replacement)
+        fleet = fleet_of(m, *shape, 2, a.trials, mtbp, a.replacement)
         runs = [chaos_wall(model, *shape, mtbp, a.replacement, a.seed + i, a.workdir) for i in range(a.histories)]
-        lines.append(histories(f"SmolLM2 chaos {mtbp:g} s", predicted, runs))
-        print(lines[-1], flush=True)
+        lines.append(histories(f"SmolLM2 chaos {mtbp:g} s", predict(work, fleet), runs))
+        lines.append(each_history([(wall, replayed(work, fleet, kills)) for wall, kills in runs]))
+        print("\n".join(lines[-2:]), flush=True)
     return lines
 
 
-def histories(name: str, p: dict, runs: list[tuple[float, int]]) -> str:
+def histories(name: str, p: dict, runs: list[tuple[float, list[float]]]) -> str:
     """A chaos case over several seeded histories: their median against the predicted median, and how many fell
     within p10..p90 (about 80 % should)."""
     walls = sorted(wall for wall, _ in runs)
     median = walls[len(walls) // 2] if len(walls) % 2 else sum(walls[len(walls) // 2 - 1:len(walls) // 2 + 1]) / 2
     inside = sum(p["p10_s"] <= wall <= p["p90_s"] for wall in walls)
     close = abs(median - p["p50_s"]) <= 0.2 * p["p50_s"]
-    each = ", ".join(f"{wall:.0f} s ({kills} killed)" for wall, kills in runs)
+    each = ", ".join(f"{wall:.0f} s ({len(kills)} killed)" for wall, kills in runs)
     return (f"{name:24} {p['p10_s']:7.1f} {p['p50_s']:7.1f} {p['expected_s']:8.1f} {p['p90_s']:7.1f} {median:9.1f}  "
             f"{inside:>3}/{len(walls):<3} {'yes' if close else 'NO':>8}  median of {len(walls)}: {each}")
+
+
+def each_history(pairs: list[tuple[float, float]]) -> str:
+    """Measured against predicted from the history's own kill times, history by history, and the mean error."""
+    errors = [predicted / wall - 1 for wall, predicted in pairs]
+    each = ", ".join(f"{wall:.0f}/{predicted:.0f} s ({e:+.0%})" for (wall, predicted), e in zip(pairs, errors))
+    return f"{'':24} replayed from each history's kills (measured/predicted): {each}; mean |error| " \
+           f"{sum(map(abs, errors)) / len(errors):.0%}"
 
 
 if __name__ == "__main__":

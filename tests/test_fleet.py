@@ -43,7 +43,7 @@ def test_no_preemption_is_the_plain_sum_of_the_layers_plus_start_up():
     tl = F.timeline(model(), F.Fleet(**{**FLEET.__dict__, "mtbp_hours": math.inf}), 1)
     plain = F.STARTUP_S + 10 * 3.5 + 0.5 + 2 * 10 * 5e8 / 1e9  # start-up, layers, the last commit, the export
     assert F.uninterrupted(tl) == pytest.approx(plain, rel=1e-12)
-    wall, paid = F.trial({1: tl}, 1, 1, FLEET, _Draws())
+    wall, paid = F.trial({1: tl}, 1, 1, FLEET, _drawn())
     assert (wall, paid) == (pytest.approx(plain, rel=1e-12), pytest.approx(plain, rel=1e-12))
 
 
@@ -69,7 +69,7 @@ def test_one_preemption_by_hand():
     layer 2."""
     tl = F.timeline(model(), FLEET, 1)
     assert tl.interval[0] == 3 and tl.write_s == pytest.approx(0.016)  # no boundary durable but the embeddings'
-    wall, paid = F.trial({1: tl}, 1, 1, FLEET, _Draws(40.0, 1e12))
+    wall, paid = F.trial({1: tl}, 1, 1, FLEET, _drawn(40.0, 1e12))
     resumed = 40 + 300 + F.RENDEZVOUS_S + F.STARTUP_S + 2 * 1.5
     assert wall == pytest.approx(resumed + 8 * 3.5 + 10.5)
     assert paid == pytest.approx(wall - 300)  # no node was paid while the replacement came
@@ -87,8 +87,9 @@ def test_losing_a_node_goes_on_with_the_others():
     """Two nodes, MIN 1: the one left resumes at once and the replacement joins at the end of a layer; from
     scratch the job waits for it and starts over."""
     tls = {n: F.timeline(model(), FLEET, n) for n in (1, 2)}
-    wall, _ = F.trial(tls, 2, 1, FLEET, _Draws(40.0, 1e12, 1e12))
-    waited, _ = F.trial({2: F.timeline(model(), FLEET, 2, resume=False)}, 2, 2, FLEET, _Draws(40.0, 1e12, 1e12))
+    wall, _ = F.trial(tls, 2, 1, FLEET, _drawn(40.0, 1e12, 1e12))
+    assert F.trial(tls, 2, 1, FLEET, F.Recorded([40.0]))[0] == wall  # that history replayed from its kill time
+    waited, _ = F.trial({2: F.timeline(model(), FLEET, 2, resume=False)}, 2, 2, FLEET, _drawn(40.0, 1e12, 1e12))
     assert F.uninterrupted(tls[2]) < wall < waited
 
 
@@ -196,6 +197,11 @@ def tiny_moe(tmp_path) -> str:
         num_experts_per_tok=4, decoder_sparse_step=1, mlp_only_layers=[], num_attention_heads=4, num_key_value_heads=2,
         head_dim=32, num_hidden_layers=3, tie_word_embeddings=False).save_pretrained(tmp_path / "moe")
     return str(tmp_path / "moe" / "config.json")
+
+
+def _drawn(*delays: float) -> F.Drawn:
+    """Preemptions that come after the given delays (then never)."""
+    return F.Drawn(FLEET, _Draws(*delays))
 
 
 class _Draws:

@@ -363,10 +363,11 @@ def _durable(tl: Timeline, first: int, began: float, upto: int, when: float, bou
     return boundary
 
 
-def trial(tls: dict[int, Timeline], nodes: int, low: int, fleet: Fleet, rng: random.Random, resume: bool = True
-          ) -> tuple[float, float] | None:
-    """One history of the job on `nodes` nodes (`--nnodes low:nodes`): its wall seconds and the node-seconds paid,
-    or None when it runs past the caps. Without `resume` every start is from layer 0 (low = nodes)."""
+def trial(tls: dict[int, Timeline], nodes: int, low: int, fleet: Fleet, preemptions: "Drawn | Recorded",
+          resume: bool = True) -> tuple[float, float] | None:
+    """One history of the job on `nodes` nodes (`--nnodes low:nodes`) under `preemptions`: its wall seconds and the
+    node-seconds paid, or None when it runs past the caps. Without `resume` every start is from layer 0 (low =
+    nodes)."""
     last = len(tls[nodes].cum) - 1
     cap = CAP_FACTOR * (uninterrupted(tls[nodes]) + fleet.replacement_minutes * 60)
     t, alive, done, boundary, events = 0.0, nodes, 0, 0, 0
@@ -374,7 +375,7 @@ def trial(tls: dict[int, Timeline], nodes: int, low: int, fleet: Fleet, rng: ran
     while t < cap and events < CAP_EVENTS:
         events += 1
         if alive < low:  # wait for replacements; the nodes left may be preempted meanwhile
-            lost = _next_preemption(t, alive, fleet, rng)
+            lost = preemptions.after(t, alive)
             if lost < pending[0]:
                 t, alive = lost, alive - 1
                 preempted.append(lost)
@@ -388,7 +389,7 @@ def trial(tls: dict[int, Timeline], nodes: int, low: int, fleet: Fleet, rng: ran
             (tl.write_s if boundary else 0.0) + tl.replay_cum[done] - tl.replay_cum[boundary])
         began = t + setup + restore  # layer `done` starts
         end = began + tl.cum[last] - tl.cum[done] + tl.tail
-        lost = _next_preemption(t, alive, fleet, rng)
+        lost = preemptions.after(t, alive)
         join = max(t, _join_at(tl, began, done, pending[0])) if pending and alive < nodes else math.inf
         if min(lost, join) >= end:
             return end, _paid(end, nodes, preempted, fleet)
@@ -406,9 +407,27 @@ def trial(tls: dict[int, Timeline], nodes: int, low: int, fleet: Fleet, rng: ran
     return None
 
 
-def _next_preemption(t: float, alive: int, fleet: Fleet, rng: random.Random) -> float:
-    rate = alive / fleet.mtbp_s
-    return t + rng.expovariate(rate) if rate > 0 else math.inf
+@dataclasses.dataclass
+class Drawn:
+    """Preemptions at the fleet's rate, drawn from `rng`: each live node's next one is exponential (memoryless)."""
+
+    fleet: Fleet
+    rng: random.Random
+
+    def after(self, t: float, alive: int) -> float:
+        """When the next preemption after `t` comes, with `alive` nodes running."""
+        rate = alive / self.fleet.mtbp_s
+        return t + self.rng.expovariate(rate) if rate > 0 else math.inf
+
+
+@dataclasses.dataclass
+class Recorded:
+    """The preemptions of a real history (seconds from its start), to predict that very history."""
+
+    times: list[float]
+
+    def after(self, t: float, alive: int) -> float:
+        return min((k for k in self.times if k > t), default=math.inf)
 
 
 def _join_at(tl: Timeline, began: float, done: int, arrival: float) -> float:
@@ -558,7 +577,7 @@ def row(tls: dict[int, Timeline], nodes: int, low: int, fleet: Fleet, resume: bo
     rng = random.Random(f"{fleet.seed}:{nodes}:{low}:{resume}")
     walls, paid = [], 0.0
     for _ in range(fleet.trials):
-        result = trial(tls, nodes, low, fleet, rng, resume)
+        result = trial(tls, nodes, low, fleet, Drawn(fleet, rng), resume)
         if result is None:
             return {"finishes": False, "uninterrupted_s": uninterrupted(tls[nodes])}
         walls.append(result[0])
