@@ -233,7 +233,7 @@ def factor(hessian: torch.Tensor, actorder, dampening_frac: float = 0.01) -> Pre
     factor, which `invert` completes. Not positive definite: retried with more damping. No token reached
     it (all zero), or no damping helped: round-to-nearest (an identity factor)."""
     H = hessian.to(torch.float32, copy=True)
-    del hessian  # the caller's fp64 total (twice H's memory), let go before `order` copies H: the peak of wide ones
+    del hessian  # the caller's fp64 total (twice H's memory), let go before ordering copies H: wide ones' peak
     H, perm, dead, untouched = order(H, actorder)
     cols = H.shape[-1]
     wide = bool(cholesky_panels(cols))
