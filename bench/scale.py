@@ -17,12 +17,12 @@ machine), and the peer also above --peer-max-gb; a side that fails is reported w
 lines of its log, and the run goes on. The table is printed again as each depth finishes (wall per layer: the whole
 run's wall time over its depth, imports and loading included), then ours' spread of peak RSS across depths (goal:
 within 10 %), whether ours stays below the peer, and both sides' peak RSS and wall time fitted linearly in depth and
-extrapolated to Qwen3-30B-A3B's 48 layers. --work/result.json holds every figure.
+extrapolated to Qwen3-30B-A3B's 48 layers. --work/result.json holds every figure. `--shape deepseek-v3` does the
+same on DeepSeek-V3's shape (hidden 7168, 256 experts of 2048, MLA attention; 61 layers), every layer with experts.
 
 Models are written under --work, one safetensors file per layer (or per 2 GiB of it), each built alone from a
 meta-device skeleton (the writer never holds more than one file's tensors); the depths share those files through
-hard links, and a
-model directory is reused when its config matches. Outputs are deleted after each run, logs kept.
+hard links, and a model directory is reused when its config matches. Outputs are deleted after each run, logs kept.
 Expect about 75-80 s per layer per side on 2 cores: depths 2,4,8 take about 35 minutes, plus a few minutes to
 write the models (10.4 GiB on disk); the smoke test, a minute or two.
 """
@@ -45,11 +45,11 @@ from elastic_oneshot.testing.peer import run_peer  # llmcompressor on our tokens
 
 GIB = 2**30
 PART_BYTES = 2 * GIB  # the most of a layer one file holds
-# --shape: (model type, sizes, the real model's depth, the config's number of routed experts)
+# --shape: (model type, sizes besides the config's defaults, the real model's depth, the config's name for the
+# number of routed experts); DeepseekV3Config's defaults are DeepSeek-V3's shape, less its three dense first layers
 MODELS = {"qwen3-30b-a3b": (*SHAPES["qwen3-30b-a3b"][::2], 48, "num_experts"),
           "deepseek-v3": ("deepseek_v3", dict(first_k_dense_replace=0, max_position_embeddings=4096,
-                                              tie_word_embeddings=False), 61, "n_routed_experts")}  # otherwise
-# DeepseekV3Config's defaults are DeepSeek-V3's shape; every layer has experts here
+                                              tie_word_embeddings=False), 61, "n_routed_experts")}
 MIN_AVAILABLE = 1 * GIB  # below this much available memory, a side is killed
 SAMPLE_EVERY = 0.05
 
@@ -116,8 +116,8 @@ def make_model(work: str, shape: str, depth: int, experts: int | None, hidden: i
     import transformers
 
     config = model_config(shape, depth, experts, hidden)
-    shape = {k: v for k, v in config.to_dict().items() if k not in ("num_hidden_layers", "transformers_version")}
-    tag = hashlib.sha256(json.dumps(shape, sort_keys=True, default=str).encode()).hexdigest()[:8]
+    sizes = {k: v for k, v in config.to_dict().items() if k not in ("num_hidden_layers", "transformers_version")}
+    tag = hashlib.sha256(json.dumps(sizes, sort_keys=True, default=str).encode()).hexdigest()[:8]
     path, pool = os.path.join(work, f"model-{tag}-{depth}L"), os.path.join(work, f"layers-{tag}")
     if os.path.isfile(os.path.join(path, "config.json")):
         with open(os.path.join(path, "config.json")) as f:
