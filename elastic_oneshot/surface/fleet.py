@@ -422,12 +422,13 @@ class Drawn:
 
 @dataclasses.dataclass
 class Recorded:
-    """The preemptions of a real history (seconds from its start), to predict that very history."""
+    """The preemptions of a real history (seconds from its start), to predict that very history; none while no
+    node runs (there, a real kill found a node alive: the model has already parted from the history)."""
 
     times: list[float]
 
     def after(self, t: float, alive: int) -> float:
-        return min((k for k in self.times if k > t), default=math.inf)
+        return min((k for k in self.times if k > t), default=math.inf) if alive else math.inf
 
 
 def _join_at(tl: Timeline, began: float, done: int, arrival: float) -> float:
