@@ -174,7 +174,7 @@ def smollm2(a: argparse.Namespace) -> list[str]:
         fleet = fleet_of(m, *shape, 2, a.trials, mtbp, a.replacement)
         runs = [chaos_wall(model, *shape, mtbp, a.replacement, a.seed + i, a.workdir) for i in range(a.histories)]
         lines.append(histories(f"SmolLM2 chaos {mtbp:g} s", predict(work, fleet), runs))
-        lines.append(each_history([(wall, replayed(work, fleet, kills)) for wall, kills in runs]))
+        lines.append(each_history([(wall, replayed(work, fleet, kills), kills) for wall, kills in runs]))
         print("\n".join(lines[-2:]), flush=True)
     return lines
 
@@ -191,10 +191,12 @@ def histories(name: str, p: dict, runs: list[tuple[float, list[float]]]) -> str:
             f"{inside:>3}/{len(walls):<3} {'yes' if close else 'NO':>8}  median of {len(walls)}: {each}")
 
 
-def each_history(pairs: list[tuple[float, float]]) -> str:
-    """Measured against predicted from the history's own kill times, history by history, and the mean error."""
-    errors = [predicted / wall - 1 for wall, predicted in pairs]
-    each = ", ".join(f"{wall:.0f}/{predicted:.0f} s ({e:+.0%})" for (wall, predicted), e in zip(pairs, errors))
+def each_history(runs: list[tuple[float, float, list[float]]]) -> str:
+    """Measured against predicted from the history's own kill times (given), history by history, and the mean
+    error."""
+    errors = [predicted / wall - 1 for wall, predicted, _ in runs]
+    each = ", ".join(f"{wall:.0f}/{predicted:.0f} s ({e:+.0%}" + "".join(f"; kill at {k:.0f} s" for k in kills) + ")"
+                     for (wall, predicted, kills), e in zip(runs, errors))
     return f"{'':24} replayed from each history's kills (measured/predicted): {each}; mean |error| " \
            f"{sum(map(abs, errors)) / len(errors):.0%}"
 
