@@ -237,10 +237,9 @@ class Executor:
                        None if zero_point is None else zero_point[:, lo:hi], out=out[:, lo:hi])
         return out
 
-    def _rows(self, s: Step, lo: int = 0, hi: int | None = None) -> torch.Tensor:
-        """Rows lo:hi (default: all) of a step's rows, stacked from its modules' weights: a view where they lie
-        in one module."""
-        hi, parts, at = s.end - s.start if hi is None else hi, [], 0
+    def _rows(self, s: Step, lo: int, hi: int) -> torch.Tensor:
+        """Rows lo:hi of a step's rows, stacked from its modules' weights: a view where they lie in one module."""
+        parts, at = [], 0
         for name, a, b in s.pieces():
             first, last = max(lo - at, 0), min(hi - at, b - a)
             if first < last:
