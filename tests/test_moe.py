@@ -3,6 +3,7 @@
 import logging
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -13,7 +14,7 @@ import transformers
 
 from elastic_oneshot import oneshot
 from elastic_oneshot.loop.data import heldout_samples
-from elastic_oneshot.models.moe import Experts, _routed
+from elastic_oneshot.models.moe import Experts, _routed, streamed
 from elastic_oneshot.models.source import SourceModel
 from elastic_oneshot.testing.peer import run_peer
 from elastic_oneshot.testing.runs import int_codes, one_thread_env, run_cli, torchrun_cmd, tree_digest, workers
@@ -123,15 +124,52 @@ def test_moe_checkpoint_round_trips_through_transformers(tiny_moe, ours):
     assert quantized.generate(input_ids=ids[:1, :8], max_new_tokens=4, do_sample=False).shape == (1, 12)
 
 
-def test_experts_in_batches_under_max_memory_give_the_same_bits(tiny_moe, ours, tmp_path, caplog):
+@pytest.mark.parametrize("max_memory, stream", [("2MB", False), ("1MB", True)])
+def test_experts_in_batches_under_max_memory_give_the_same_bits(tiny_moe, ours, tmp_path, caplog, max_memory, stream):
     """--max-memory below one layer's Hessians: each layer is calibrated and solved a batch of groups at a time
-    (one more pass over its inputs per batch), and the checkpoint is the one of a single batch."""
+    (one more pass over its inputs per batch); below twice its weights, its experts are streamed too (read with
+    their batch, and one at a time, decompressed, for propagation and replay). The checkpoint is the one of a
+    single batch, and so is a rerun of layer 1 whose inputs are replayed through the streamed layer 0."""
+    out, state = str(tmp_path / "out"), str(tmp_path / "state")
+    job = dict(model=tiny_moe, num_calibration_samples=SAMPLES, max_seq_length=SEQ, group_size=GROUP,
+               chunk_size=SAMPLES, output_dir=out, state_dir=state, max_memory=max_memory, boundary_every=0)
     with caplog.at_level(logging.INFO, logger="elastic_oneshot"):
-        out = oneshot(model=tiny_moe, num_calibration_samples=SAMPLES, max_seq_length=SEQ, group_size=GROUP,
-                      chunk_size=SAMPLES, output_dir=str(tmp_path / "out"), max_memory="1MB")
-    assert re.findall(r"layer (\d): (\d+) groups in (\d+) batches", caplog.text) == [("0", "11", "11"),
-                                                                                        ("1", "11", "11")]
+        oneshot(**job)
+    found = re.findall(r"layer (\d): 11 groups in (\d+) batches(, each reading its experts)?", caplog.text)
+    assert [layer for layer, _, _ in found] == ["0", "1"], caplog.text
+    assert all(int(n) > 1 and bool(reading) == stream for _, n, reading in found), found
     assert tree_digest(out) == tree_digest(ours)
+
+    os.remove(os.path.join(state, "commits/00001.e00001.json"))  # layer 1 redone from scratch
+    shutil.rmtree(os.path.join(state, "layers/00001"))
+    shutil.rmtree(out)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="elastic_oneshot"):
+        oneshot(**job)
+    assert "replayed layers 0..0" in caplog.text
+    assert tree_digest(out) == tree_digest(ours)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3", "mixtral"])
+def test_streamed_experts_give_the_block_bitwise_and_are_dropped_after(model_type, tmp_path):
+    """A streamed layer's experts stay on the meta device: read one at a time when called (the block's output is
+    the whole layer's, bit for bit), held a batch at a time by `hold`, dropped after either."""
+    source = SourceModel(make_tiny(str(tmp_path / model_type), model_type, moe=True))
+    index = next(i for i in range(source.num_layers) if source.streamable(i))
+    whole, layer = source.load_layer(index), source.load_layer(index, budget=0)
+    (name, container), = streamed(layer).items()
+    assert not streamed(whole) and len(container) == 4
+    block = name.rpartition(".")[0]
+    resident = lambda: [not e.up_proj.weight.is_meta for e in container]  # noqa: E731
+    assert not any(resident())
+    x = torch.randn(2, 40, source.config.hidden_size)
+    with torch.no_grad():
+        assert torch.equal(whole.get_submodule(block)(x), layer.get_submodule(block)(x))
+    assert not any(resident())
+    with source.hold(layer, index, [f"{name}.3.down_proj", f"{name}.1.up_proj", "self_attn.o_proj"]):
+        assert resident() == [False, True, False, True]
+        assert torch.equal(container[1].up_proj.weight, whole.get_submodule(name)[1].up_proj.weight)
+    assert not any(resident())
 
 
 @pytest.mark.slow

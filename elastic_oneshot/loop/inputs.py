@@ -20,8 +20,9 @@ from elastic_oneshot.distributed import signals
 from elastic_oneshot.durability.protocol import CommitProtocol
 from elastic_oneshot.durability.state import StateStore
 from elastic_oneshot.errors import CorruptStateError, UsageError
+from elastic_oneshot.models.moe import streamed
 from elastic_oneshot.models.source import Embedder, SourceModel
-from elastic_oneshot.quantization.packing import unpack_into
+from elastic_oneshot.quantization.packing import unpack_into, unpacked
 
 log = logging.getLogger("elastic_oneshot")
 
@@ -48,6 +49,7 @@ class LayerInputs:
         self.state, self.source, self.seq_len, self.scheme = state, source, seq_len, scheme
         self.quantized, self.chunks, self.own, self.device = quantized, chunks, own, device
         self.protocol = protocol
+        self.budget: int | None = None  # bytes a layer may take (source.load_layer): the runner's, for each epoch
         self.embedder = Embedder(source)
         self._kwargs: dict = {}
         self._held_layer: int | None = None
@@ -64,7 +66,7 @@ class LayerInputs:
             inputs = cls(state, source, *args)
             with torch.inference_mode():
                 x = inputs.embedder(torch.zeros(1, inputs.seq_len, dtype=torch.int64))
-                inputs.forward(source.load_layer(0).to(inputs.device), 0, x.to(inputs.device))
+                inputs.forward(source.load_layer(0, inputs.device, budget=0), 0, x.to(inputs.device))
         except (UsageError, signals.Preempted, torch.OutOfMemoryError, MemoryError):  # not the model's fault
             raise
         except Exception as e:
@@ -121,13 +123,31 @@ class LayerInputs:
 
     def quantized_layer(self, layer: int) -> torch.nn.Module:
         """A committed layer with its quantized weights, on the device."""
-        module = self.source.load_layer(layer).to(self.device)
+        module = self.source.load_layer(layer, self.device, self.budget)
         self.unpack(module, layer, to_device(self.protocol.tensors(layer), self.device))
         return module
 
     def unpack(self, module: torch.nn.Module, layer: int, tensors: dict):
-        """Put the layer's committed quantized weights (compressed `tensors`) into `module`."""
-        unpack_into(module, f"{self.source.layer_prefix}{layer}.", self.quantized[layer], tensors, self.scheme)
+        """Put the layer's committed quantized weights (compressed `tensors`) into `module`; the experts that it
+        streams get theirs each time they are called."""
+        containers = streamed(module)
+        inside = tuple(f"{c}." for c in containers)
+        unpack_into(module, f"{self.source.layer_prefix}{layer}.",
+                    [n for n in self.quantized[layer] if not n.startswith(inside)], tensors, self.scheme)
+        for name, container in containers.items():
+            container.fetch = functools.partial(self._expert, layer, name, tensors)
+
+    def _expert(self, layer: int, container: str, tensors: dict, e: int) -> dict:
+        """Expert `e` of a streamed `container` of `layer` as committed: its quantized weights decompressed from
+        `tensors`, the others original."""
+        local = f"{container}.{e}."
+        quantized = [n[len(local):] for n in self.quantized[layer] if n.startswith(local)]
+        weights = self.source.expert(layer, container, e, self.device, tuple(f"{q}.weight" for q in quantized))
+        expert, prefix = self.source.layers[layer].get_submodule(local[:-1]), f"{self.source.layer_prefix}{layer}."
+        for q in quantized:
+            weights[f"{q}.weight"] = unpacked(tensors, prefix + local + q, self.scheme[prefix + local + q],
+                                              expert.get_submodule(q).weight.dtype)
+        return weights
 
     def _restore(self, layer: int):
         """Inputs to `layer` from storage: the newest durable boundary at or below it that reads back intact,

@@ -33,7 +33,7 @@ from elastic_oneshot.loop.calibration import Calibration
 from elastic_oneshot.loop.data import chunk_bounds, partition
 from elastic_oneshot.loop.inputs import LayerInputs, to_device
 from elastic_oneshot.loop.job import Job
-from elastic_oneshot.models.moe import experts_mode
+from elastic_oneshot.models.moe import experts_mode, streamed
 from elastic_oneshot.models.source import SourceModel
 from elastic_oneshot.quantization.executor import Executor
 from elastic_oneshot.quantization.packing import LayerPacking
@@ -131,6 +131,7 @@ class Runner:
             self._solved = self.read_solved(todo[0])  # small reads first: behind a boundary they wait seconds
             self.inputs.prefetch(todo[0], self.io)
         self.memory = min(self.world.gather_objects(self.max_memory or int(0.8 * self.world.free_memory())))
+        self.inputs.budget = self.memory
         metrics.epoch_began(self.epoch, self.world.size, self.source.num_layers, self.committed,
                             self.boundaries.durable)
         if self.rank == 0:
@@ -196,28 +197,39 @@ class Runner:
         if self.rank == 0:
             self.state.append_event({"event": "layer", "layer": layer, "time": time.time(), "epoch": self.epoch})
         with _timed(seconds, "load"):
-            module = self.source.load_layer(layer).to(self.device)
+            module = self.source.load_layer(layer, self.device, self.memory)
             groups = layer_groups(module, self.layer_modules[layer], self.source.family.shared_inputs,
                                   self.job.moe_calibrate == "all")
             tensors, reused, todo = self.reuse_solved(layer, groups)
         writes, notes = [], {}  # this rank's writes of solved groups in this attempt, and its notes
-        batches = memory_batches(todo, self.memory - sum(t.nbytes for t in module.state_dict().values()))
+        stream = bool(streamed(module))  # its experts are read with their batch
+        batches = memory_batches(todo, self.memory - sum(t.nbytes for t in module.state_dict().values()
+                                                         if not t.is_meta), self.source.dtype.itemsize * stream)
         if len(batches) > 1 and self.rank == 0:
-            log.info("layer %d: %d groups in %d batches, to keep within %.1f GB", layer, len(todo), len(batches),
-                     self.memory / 1e9)
-        packing = LayerPacking(self.schemes, f"{self.source.layer_prefix}{layer}.", dict(module.named_modules()),
-                               self.layer_modules[layer], {}, self.source.family.fused_scales)  # qparams once
+            log.info("layer %d: %d groups in %d batches%s, to keep within %.1f GB", layer, len(todo), len(batches),
+                     ", each reading its experts" if stream else "", self.memory / 1e9)
         for batch in batches:
-            calib = self.calibrate(layer, module, batch, seconds)
-            packing.ranges = calib.ranges  # this batch's, reduced across ranks in place by the executor
-            with _timed(seconds, "gptq"):
-                solved, more = self.solve(layer, packing, batch, writes, calib)
+            solved, more = self.compress(layer, module, batch, writes, seconds)
             tensors.update(solved)
             notes.update(more)
         with _timed(seconds, "propagate"):
             self.propagate(layer, module, tensors, seconds)
         self.pending.append(Computed(layer, [g.name for g in groups], reused, writes, notes, seconds))
         self.settle(keep=COMMITS_BEHIND)
+
+    def compress(self, layer: int, module, batch: list[Group], writes: list, seconds: dict) -> tuple[dict, dict]:
+        """A batch of the layer's groups calibrated and solved, with their experts held where the layer streams
+        them (read here); qparams come from the original weights, before propagation replaces any."""
+        names = [n for g in batch for n, _ in g.modules]
+        with contextlib.ExitStack() as held:
+            with _timed(seconds, "load"):
+                held.enter_context(self.source.hold(module, layer, names, self.device))
+            packing = LayerPacking(self.schemes, f"{self.source.layer_prefix}{layer}.", dict(module.named_modules()),
+                                   names, {}, self.source.family.fused_scales)
+            calib = self.calibrate(layer, module, batch, seconds)
+            packing.ranges = calib.ranges  # reduced across ranks in place by the executor
+            with _timed(seconds, "gptq"):
+                return self.solve(layer, packing, batch, writes, calib)
 
     def read_solved(self, layer: int) -> tuple[int, list[dict], dict]:
         """Sub-layer progress of `layer`: the records of the groups an earlier attempt solved, and their compressed

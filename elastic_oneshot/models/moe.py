@@ -11,6 +11,9 @@ calibrated and quantized like any other Linear. In all-experts calibration every
 every expert gets a full Hessian, while the container's output still sums only the routed tokens with their
 routing weights: the output equals the original's (the down projections compute only those rows; their Hessians
 still see every token).
+
+A layer too large to hold whole streams its experts (`Experts.streamed`): they stay on the meta device and are held
+a batch at a time while calibrated and solved, and one at a time, fetched, for each later forward pass.
 """
 
 import contextlib
@@ -91,6 +94,8 @@ class Experts(torch.nn.ModuleList):
     layout, by which a checkpoint that stores it fused is split."""
 
     all_experts = False  # set by `experts_mode` during calibration passes with --moe-calibrate all
+    streamed = False  # the experts stay on the meta device but while they are held or called (source.load_layer)
+    fetch = None  # for a streamed container: expert index -> its weights (local names) for one call, or None to skip
 
     def __init__(self, fused: torch.nn.Module, layout: Layout):
         up = fused.get_parameter(layout.fused[0])
@@ -103,15 +108,35 @@ class Experts(torch.nn.ModuleList):
         if self.layout.stacked:
             return self._stacked(hidden_states)
         out = torch.zeros_like(hidden_states)
-        for expert, (top_k_pos, tokens) in zip(self, _routed(top_k_index, len(self))):
-            if self.all_experts:
-                y = expert(hidden_states, rows=tokens)
-            elif tokens.numel():
-                y = expert(hidden_states[tokens])
-            else:
+        for e, (top_k_pos, tokens) in enumerate(_routed(top_k_index, len(self))):
+            if not (self.all_experts or tokens.numel()):
                 continue
+            with self._held(e, hidden_states.device) as expert:
+                if expert is None:
+                    continue
+                y = expert(hidden_states, rows=tokens) if self.all_experts else expert(hidden_states[tokens])
             out.index_add_(0, tokens, (y * top_k_weights[tokens, top_k_pos, None]).to(out.dtype))
         return out
+
+    @contextlib.contextmanager
+    def _held(self, e: int, device):
+        """Expert `e` with its weights for one call: its own, or for one not held those `fetch` gives (on
+        `device`), dropped after; None where `fetch` skips it."""
+        expert = self[e]
+        if not expert.up_proj.weight.is_meta:
+            yield expert
+            return
+        if self.fetch is None:
+            raise RuntimeError(f"expert {e} of a streamed layer is neither held nor fetched")
+        weights = self.fetch(e)
+        if weights is None:
+            yield None
+            return
+        expert.load_state_dict({k: v.to(device) for k, v in weights.items()}, assign=True, strict=True)
+        try:
+            yield expert
+        finally:
+            expert.to("meta")
 
     def _stacked(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Expert e on the e-th copy of the tokens; in all-experts calibration its gate and up projections read
@@ -162,14 +187,26 @@ def make_quantizable(model: torch.nn.Module, layout_of: Callable[[torch.nn.Modul
                 setattr(module, child_name, Experts(child, layout))
 
 
+def streamed(layer: torch.nn.Module) -> dict[str, Experts]:
+    """The layer's experts containers that stream their experts, by name."""
+    return {n: m for n, m in layer.named_modules() if isinstance(m, Experts) and m.streamed}
+
+
+def _skip(_: int) -> None:
+    return None
+
+
 @contextlib.contextmanager
 def experts_mode(layer: torch.nn.Module, all_experts: bool):
-    """Run every expert on every token (all-experts calibration) inside; routed outside."""
+    """Calibration passes inside: every expert runs on every token (all-experts calibration) or only on its
+    routed ones, and a streamed layer's experts that are not held (outside the batch being calibrated) are
+    skipped: their inputs come before them and a calibration pass's output is not used."""
     containers = [m for m in layer.modules() if isinstance(m, Experts)]
+    fetches = [c.fetch for c in containers]
     for c in containers:
-        c.all_experts = all_experts
+        c.all_experts, c.fetch = all_experts, _skip
     try:
         yield
     finally:
-        for c in containers:
-            c.all_experts = False
+        for c, fetch in zip(containers, fetches):
+            c.all_experts, c.fetch = False, fetch

@@ -1,5 +1,6 @@
 """The source model, never materialized: a meta skeleton plus tensors read from safetensors on demand."""
 
+import contextlib
 import copy
 import functools
 import hashlib
@@ -14,7 +15,7 @@ from safetensors import SafetensorError, safe_open
 
 from elastic_oneshot.errors import UsageError
 from elastic_oneshot.models.family import family_for
-from elastic_oneshot.models.moe import make_quantizable
+from elastic_oneshot.models.moe import Experts, make_quantizable, streamed
 
 log = logging.getLogger("elastic_oneshot")
 
@@ -260,24 +261,76 @@ class SourceModel:
             out.update({f"{container}.{k}": v for k, v in split.items()})
         return {n: out[n] for n in names}
 
-    def load(self, module: torch.nn.Module, prefix: str) -> torch.nn.Module:
-        """A CPU copy of a meta submodule with its weights read from the checkpoint."""
+    def load(self, module: torch.nn.Module, prefix: str, skip: tuple[str, ...] = ()) -> torch.nn.Module:
+        """A CPU copy of a meta submodule with its weights read from the checkpoint, but for those whose names
+        start with one of `skip` (left on the meta device)."""
         module = copy.deepcopy(module)
-        state = module.state_dict()
+        state = {k: v for k, v in module.state_dict().items() if not k.startswith(skip)}
         tensors = self.read([prefix + k for k in state])
         module.load_state_dict({k: tensors[prefix + k].to(v.dtype) for k, v in state.items()},
-                               assign=True, strict=True)
+                               assign=True, strict=not skip)
         if any(b.is_meta for b in module.buffers()):
             raise UsageError(f"{type(module).__name__} has buffers not stored in the checkpoint: "
                              "unsupported architecture")
         return module.requires_grad_(False).eval()
 
-    def layer_bytes(self) -> list[int]:
-        """Each decoder layer's weights in memory (as `load_layer` reads them), from the skeleton's shapes."""
-        return [sum(t.nbytes for t in layer.state_dict().values()) for layer in self.layers]
+    def streamable(self, index: int) -> list[str]:
+        """Layer `index`'s experts containers whose experts can be streamed: stored one by one (reading one
+        expert of a fused tensor reads them all) and called with the routed tokens."""
+        prefix = f"{self.layer_prefix}{index}."
+        fused = [n for n in self.fused if n.startswith(prefix)]
+        return [n for n, m in self.layers[index].named_modules() if isinstance(m, Experts) and not m.layout.stacked
+                and not any(f.startswith(f"{prefix}{n}.") for f in fused)]
 
-    def load_layer(self, index: int) -> torch.nn.Module:
-        return self.load(self.layers[index], f"{self.layer_prefix}{index}.")
+    def layer_bytes(self, streamed: bool = False) -> list[int]:
+        """Each decoder layer's weights in memory (as `load_layer` reads them), from the skeleton's shapes; or
+        (`streamed`) those it holds at least: all but its streamable experts, and the largest of those."""
+        out = []
+        for index, layer in enumerate(self.layers):
+            state = {k: t.nbytes for k, t in layer.state_dict().items()}
+            experts = [n for n in self.streamable(index) if streamed]
+            held = sum(b for k, b in state.items() if not k.startswith(tuple(f"{n}." for n in experts)))
+            largest = max((sum(t.nbytes for t in e.state_dict().values()) for n in experts
+                           for e in layer.get_submodule(n)), default=0)
+            out.append(held + largest)
+        return out
+
+    def load_layer(self, index: int, device="cpu", budget: int | None = None) -> torch.nn.Module:
+        """Decoder layer `index` on `device`. Where its weights would take more than half of `budget` (bytes),
+        its streamable experts are streamed (moe.Experts.streamed): read a batch at a time by `hold`, or one at
+        a time when called (`fetch`: the original weights, until the caller sets another)."""
+        prefix, layer = f"{self.layer_prefix}{index}.", self.layers[index]
+        experts = self.streamable(index) if budget is not None and self.layer_bytes()[index] > budget // 2 else []
+        module = self.load(layer, prefix, tuple(f"{n}." for n in experts))
+        module._apply(lambda t: t if t.is_meta else t.to(device))  # Module.to refuses meta tensors
+        for name in experts:
+            container = module.get_submodule(name)
+            container.streamed = True
+            container.fetch = functools.partial(self.expert, index, name, device=device)
+        return module
+
+    def expert(self, index: int, container: str, e: int, device="cpu", without: tuple[str, ...] = ()) -> dict:
+        """The original weights of expert `e` of `container` in layer `index`, local to it, on `device`; but
+        `without` those."""
+        prefix = f"{self.layer_prefix}{index}.{container}.{e}."
+        state = {k: t for k, t in self.layers[index].get_submodule(f"{container}.{e}").state_dict().items()
+                 if k not in without}
+        tensors = self.read([prefix + k for k in state])
+        return {k: tensors[prefix + k].to(device, t.dtype) for k, t in state.items()}
+
+    @contextlib.contextmanager
+    def hold(self, module: torch.nn.Module, index: int, names: list[str], device="cpu"):
+        """Inside, the streamed experts that modules `names` of layer `index` (`module`) belong to are held,
+        with their original weights on `device`; outside, they are on the meta device again."""
+        held = sorted({(c, int(n[len(c) + 1:].split(".")[0])) for c in streamed(module) for n in names
+                       if n.startswith(f"{c}.")})
+        try:
+            for c, e in held:
+                module.get_submodule(f"{c}.{e}").load_state_dict(self.expert(index, c, e, device), assign=True)
+            yield
+        finally:
+            for c, e in held:
+                module.get_submodule(f"{c}.{e}").to("meta")
 
     def by_layer(self, names: list[str]) -> list[list[str]]:
         """Module names (full) per decoder layer, as names local to their layer. GPTQ runs layer by layer,

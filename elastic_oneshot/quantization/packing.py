@@ -48,15 +48,18 @@ def pack_group(prefix: str, group, weight: torch.Tensor, qparams: dict[str, QPar
     return out
 
 
+def unpacked(tensors: dict, name: str, scheme: QuantizationScheme, dtype: torch.dtype) -> torch.Tensor:
+    """The weight of module `name` (by checkpoint name) that the compressed `tensors` stand for, in `dtype`."""
+    params = compressor(scheme).compression_param_names(scheme)
+    return decompress_module({k: tensors[f"{name}.{k}"] for k in params if f"{name}.{k}" in tensors}, scheme, dtype)
+
+
 def unpack_into(layer: torch.nn.Module, prefix: str, names: list[str], tensors: dict, schemes: dict):
     """Replace the weights of `names` (modules of `layer`, whose checkpoint names start with `prefix`) by
     the decompressed `tensors`; `schemes`: by full module name (prefix + name)."""
     modules = dict(layer.named_modules())
     for name in names:
-        scheme = schemes[f"{prefix}{name}"]
-        params = compressor(scheme).compression_param_names(scheme)
-        packed = {k: tensors[f"{prefix}{name}.{k}"] for k in params if f"{prefix}{name}.{k}" in tensors}
-        weight = decompress_module(packed, scheme, modules[name].weight.dtype)
+        weight = unpacked(tensors, prefix + name, schemes[prefix + name], modules[name].weight.dtype)
         modules[name].weight = torch.nn.Parameter(weight, requires_grad=False)
 
 

@@ -98,18 +98,21 @@ def layer_groups(layer, names: list[str], shared_inputs: tuple[tuple[str, ...], 
 
 HESSIAN_BYTES = 16  # per Hessian element of a group, with room: its fp64 total with the fp32 chunk sum in
 # calibration, or with the fp32 copy that factoring makes of it (12 either way)
+SOLVING_BYTES = 8  # per weight element of a group being solved: its fp32 copy and the fp32 result
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,
           "gib": 2**30, "tib": 2**40}
 
 
-def memory_batches(groups: list[Group], budget: int) -> list[list[Group]]:
+def memory_batches(groups: list[Group], budget: int, itemsize: int = 0) -> list[list[Group]]:
     """`groups` in order, in batches whose Hessians fit in `budget` bytes (a group larger than that alone): a
     layer of many experts is calibrated and solved a batch at a time, so its working set is bounded, at the cost
     of one more calibration pass over the layer's inputs per batch. Each group's result does not depend on the
-    batches (its Hessian sees the same inputs), so neither do the bits."""
+    batches (its Hessian sees the same inputs), so neither do the bits. `itemsize`: where the weights are read
+    with their batch (a streamed layer's experts), their element size; they count too, with their fp32 copies
+    while solved."""
     out, used = [[]], 0
     for g in groups:
-        need = HESSIAN_BYTES * g.cols**2
+        need = HESSIAN_BYTES * g.cols**2 + ((itemsize + SOLVING_BYTES) * g.rows * g.cols if itemsize else 0)
         if out[-1] and used + need > budget:
             out.append([])
             used = 0
