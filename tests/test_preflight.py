@@ -15,6 +15,8 @@ import psutil
 import pytest
 from safetensors.torch import load_file, save_file
 
+from elastic_oneshot.errors import UsageError
+from elastic_oneshot.surface.preflight import check_layer_fits
 from elastic_oneshot.testing.runs import run_cli, tree_digest
 
 JOB = ["--num-samples", 8, "--seq-len", 16, "--chunk-size", 4, "--group-size", 64]
@@ -256,3 +258,15 @@ def test_a_layer_larger_than_memory_is_refused_before_work(model_copy, tmp_path)
     refused(run_cli("run", "--model", model_copy, "--output", tmp_path / "o", *JOB, check=False, preexec_fn=cap),
             "layer 0's weights take")
     assert not (tmp_path / "o.state" / "job.json").exists()
+
+
+def test_a_layer_that_fits_only_under_routed_calibration_says_so():
+    """All-experts calibration solves every expert's gate and up as one group, held whole; routed calibration
+    reads experts a batch at a time: where only that fits, the refusal says so."""
+    free = [[("rank 0's host", 20 * 10**9)]]
+    check_layer_fits([5 * 10**9, 19 * 10**9], free)
+    with pytest.raises(UsageError, match=r"^layer 1's weights take 30\.0 GB held at once, more than the 20\.0 GB .*"
+                                         r"\(or pass --moe-calibrate routed, under which .*\)$"):
+        check_layer_fits([5 * 10**9, 30 * 10**9], free, routed=[5 * 10**9, 8 * 10**9])
+    with pytest.raises(UsageError, match=r"machines with more memory$"):
+        check_layer_fits([5 * 10**9, 30 * 10**9], free, routed=[5 * 10**9, 21 * 10**9])

@@ -197,7 +197,8 @@ class Runner:
         if self.rank == 0:
             self.state.append_event({"event": "layer", "layer": layer, "time": time.time(), "epoch": self.epoch})
         with _timed(seconds, "load"):
-            module = self.source.load_layer(layer, self.device, self.memory)
+            module = self.source.load_layer(layer, self.device, self.memory if self.job.moe_calibrate == "routed"
+                                            else None)  # all-experts: their gate and up are one group, held whole
             groups = layer_groups(module, self.layer_modules[layer], self.source.family.shared_inputs,
                                   self.job.moe_calibrate == "all")
             tensors, reused, todo = self.reuse_solved(layer, groups)

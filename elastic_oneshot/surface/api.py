@@ -71,7 +71,9 @@ def oneshot(model: str | None = None, dataset: str = "builtin", scheme: str = "W
                                                          allow_long_seq, collective_timeout)
     world.agree("the job (model, dataset, recipe and sampling arguments)", record["fingerprint"])
     world.agree("the coordinator", job.coordinator)
-    check_layer_fits(source.layer_bytes(streamed=True), world.gather_objects(world.memory_for_a_layer()))
+    routed = job.moe_calibrate == "routed"
+    check_layer_fits(source.layer_bytes(streamed=routed), world.gather_objects(world.memory_for_a_layer()),
+                     None if routed else source.layer_bytes(streamed=True))
     runner = Runner(job, state, records, source, world, schemes, parse_every(boundary_every), mtbf_s, max_memory)
     claim = _claim(state, records, record, job, restart, destination) if world.rank == 0 else None
     if error := world.broadcast_object(claim):

@@ -60,15 +60,19 @@ def check_seq_len(seq_len: int, config, allow_long: bool):
                          "(max_position_embeddings): lower it, or pass --allow-long-seq to calibrate past it")
 
 
-def check_layer_fits(layer_bytes: list[int], free: list[list[tuple[str, int]]]):
-    """A decoder layer is held in memory while it is compressed, but for experts stored one by one, which are read
-    a batch at a time (`layer_bytes`: SourceModel.layer_bytes(streamed=True)): a layer whose weights held at once
-    exceed what a rank can hold (`free`: each rank's World.memory_for_a_layer) would be killed for memory when it
-    is reached, after the work on the layers before it, and again at every restart; refused here instead."""
+def check_layer_fits(layer_bytes: list[int], free: list[list[tuple[str, int]]], routed: list[int] | None = None):
+    """A decoder layer is held in memory while it is compressed, but for experts stored one by one under routed
+    calibration, which are read a batch at a time (`layer_bytes`: SourceModel.layer_bytes as the job streams):
+    a layer whose weights held at once exceed what a rank can hold (`free`: each rank's World.memory_for_a_layer)
+    would be killed for memory when it is reached, after the work on the layers before it, and again at every
+    restart; refused here instead. `routed`: the bytes under routed calibration, for a job that calibrates every
+    expert on every token (which solves all their gate and up projections as one group, held whole)."""
     layer = max(range(len(layer_bytes)), key=layer_bytes.__getitem__)
     for where, available in (place for rank in free for place in rank):
         if layer_bytes[layer] > available:
+            hint = (" (or pass --moe-calibrate routed, under which it holds one batch of experts at a time)"
+                    if routed and max(routed) <= available else "")
             raise UsageError(f"layer {layer}'s weights take {layer_bytes[layer] / 1e9:.1f} GB held at once, more "
                              f"than the {available / 1e9:.1f} GB free on {where}: a decoder layer is held whole "
-                             "while it is compressed, but for experts stored one by one; run on machines with more "
-                             "memory")
+                             "while it is compressed, but for experts stored one by one under routed calibration; "
+                             f"run on machines with more memory{hint}")
