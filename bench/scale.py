@@ -6,10 +6,11 @@ Qwen3-30B-A3B-shaped model (hidden 2048, 128 experts, 8 routed, expert intermedi
     python bench/scale.py --no-peer            # ours only
     python bench/scale.py --peer-max-gb 18     # kill the peer when its RSS passes 18 GiB
     python bench/scale.py --depths 1,2 --experts 4 --hidden 128 --samples 2 --seq-len 16   # smoke test
-    python bench/scale.py --shape deepseek-v3 --depths 1 --samples 2   # one DeepSeek-V3 layer (26.7 GB on disk)
+    python bench/scale.py --shape deepseek-v3 --depths 1 --samples 2 --moe-calibrate routed   # one DeepSeek-V3
+        # layer (26.7 GB on disk), its experts read a batch at a time (under `all`, held whole: refused on 24 GB)
 
 Ours is one `python -m elastic_oneshot run` process, as bench/vs_llmcompressor.py launches it; the peer loads the
-model in its checkpoint's dtype (bf16, as ours computes) and calibrates every expert on every token, as ours does.
+model in its checkpoint's dtype (bf16, as ours computes) and calibrates experts as ours does (--moe-calibrate).
 Each side runs in its own process with OMP_NUM_THREADS=2; its RSS (the whole process tree, file-backed pages
 included) is sampled every 50 ms, and its wall time runs from start to saved checkpoint. Either side is killed when
 the machine's available memory falls below 1 GiB (there is no swap to fall back on, and other work shares the
@@ -201,10 +202,10 @@ def run_depth(a, depth: int, data: str, env: dict) -> dict:
     row = {"depth": depth, "model": model}
     sides = {"ours": ([sys.executable, "-m", "elastic_oneshot", "run", "--model", model, "--dataset", data,
                        "--output", ours, "--num-samples", str(a.samples), "--seq-len", str(a.seq_len),
-                       "--group-size", "128"], None)}
+                       "--group-size", "128", "--moe-calibrate", a.moe_calibrate], None)}
     if not a.no_peer:
         job = dict(model_dir=model, out=peer, dataset=data, samples=a.samples, seq_len=a.seq_len, group_size=128,
-                   moe=True, dtype="auto")
+                   moe=True, dtype="auto", all_experts=a.moe_calibrate == "all")
         sides["peer"] = ([sys.executable, __file__, "--peer-child", json.dumps(job)],
                          a.peer_max_gb * GIB if a.peer_max_gb else None)
     for side, (cmd, limit) in sides.items():
@@ -293,6 +294,8 @@ def main():
     p.add_argument("--peer-max-gb", type=float, help="kill the peer when its RSS passes this many GiB")
     p.add_argument("--threads", type=int, default=2, help="OMP_NUM_THREADS of both sides")
     p.add_argument("--shape", choices=sorted(MODELS), default="qwen3-30b-a3b")
+    p.add_argument("--moe-calibrate", choices=["all", "routed"], default="all",
+                   help="both sides' expert calibration: every expert on every token, or on its routed tokens")
     p.add_argument("--experts", type=int, help="fewer routed experts than the shape's, for a smoke test")
     p.add_argument("--hidden", type=int, help="a smaller hidden size than the shape's, for a smoke test")
     p.add_argument("--peer-child", help=argparse.SUPPRESS)

@@ -8,10 +8,12 @@ from elastic_oneshot.loop.data import calibration_samples
 
 
 def run_peer(model_dir: str, out: str, samples: int, seq_len: int, group_size: int = 128, moe: bool = False,
-             scheme: str | dict | None = None, dataset: str = "builtin", dtype: str = "float32") -> str:
+             scheme: str | dict | None = None, dataset: str = "builtin", dtype: str = "float32",
+             all_experts: bool = True) -> str:
     """GPTQ with `scheme` written to `out`: a preset name (e.g. "FP8") on every Linear, a `config_groups` dict,
     or by default W4A16 (symmetric int4 groups of `group_size`); static activation order, damping 0.01, lm_head
-    unquantized. With `moe`, every expert calibrates on every token and the routers stay unquantized, as ours do.
+    unquantized. With `moe`, the routers stay unquantized, as ours do, and every expert calibrates on every token
+    (but on its routed tokens where not `all_experts`).
     The model loads in `dtype` ("auto": the checkpoint's)."""
     from datasets import Dataset
     from llmcompressor import oneshot
@@ -34,7 +36,7 @@ def run_peer(model_dir: str, out: str, samples: int, seq_len: int, group_size: i
                           actorder="static", dampening_frac=0.01, block_size=128)
     oneshot(model=model, dataset=ds, recipe=recipe, num_calibration_samples=samples, max_seq_length=seq_len,
             shuffle_calibration_samples=False, pipeline="sequential",
-            **({"moe_calibrate_all_experts": True} if moe else {}))
+            **({"moe_calibrate_all_experts": all_experts} if moe else {}))
     model.save_pretrained(out, save_compressed=True)
     tokenizer.save_pretrained(out)
     return out
