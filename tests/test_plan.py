@@ -6,6 +6,7 @@ from elastic_oneshot.errors import UsageError
 from elastic_oneshot.quantization.cholesky import cholesky_panels, inverse_pieces
 from elastic_oneshot.quantization.plan import (
     HESSIAN_BYTES,
+    SOLVING_BYTES,
     Group,
     StepKind,
     make_plan,
@@ -83,6 +84,9 @@ def test_memory_batches_keep_each_batch_within_the_budget():
     assert memory_batches(groups, 2 * one + 1) == [groups[0:2], groups[2:4], groups[4:]]
     assert memory_batches(groups, 1) == [[g] for g in groups]  # a group larger than the budget goes alone
     assert memory_batches([], 1) == [[]]
+    streamed = one + (2 + SOLVING_BYTES) * 64 * 100  # bf16 weights read with their batch, solved in fp32
+    assert memory_batches(groups, 2 * streamed - 1, itemsize=2) == [[g] for g in groups]
+    assert memory_batches(groups, 2 * streamed, itemsize=2) == [groups[0:2], groups[2:4], groups[4:]]
 
 
 def test_max_memory_is_a_size_or_one_line():

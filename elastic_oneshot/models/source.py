@@ -285,22 +285,21 @@ class SourceModel:
     def layer_bytes(self, streamed: bool = False) -> list[int]:
         """Each decoder layer's weights in memory (as `load_layer` reads them), from the skeleton's shapes; or
         (`streamed`) those it holds at least: all but its streamable experts, and the largest of those."""
-        out = []
-        for index, layer in enumerate(self.layers):
-            state = {k: t.nbytes for k, t in layer.state_dict().items()}
-            experts = [n for n in self.streamable(index) if streamed]
-            held = sum(b for k, b in state.items() if not k.startswith(tuple(f"{n}." for n in experts)))
-            largest = max((sum(t.nbytes for t in e.state_dict().values()) for n in experts
+        return [self._held_bytes(index, streamed) for index in range(self.num_layers)]
+
+    def _held_bytes(self, index: int, streamed: bool) -> int:
+        layer = self.layers[index]
+        experts = self.streamable(index) if streamed else []
+        held = sum(t.nbytes for k, t in layer.state_dict().items() if not k.startswith(tuple(f"{n}." for n in experts)))
+        return held + max((sum(t.nbytes for t in e.state_dict().values()) for n in experts
                            for e in layer.get_submodule(n)), default=0)
-            out.append(held + largest)
-        return out
 
     def load_layer(self, index: int, device="cpu", budget: int | None = None) -> torch.nn.Module:
         """Decoder layer `index` on `device`. Where its weights would take more than half of `budget` (bytes),
         its streamable experts are streamed (moe.Experts.streamed): read a batch at a time by `hold`, or one at
         a time when called (`fetch`: the original weights, until the caller sets another)."""
         prefix, layer = f"{self.layer_prefix}{index}.", self.layers[index]
-        experts = self.streamable(index) if budget is not None and self.layer_bytes()[index] > budget // 2 else []
+        experts = self.streamable(index) if budget is not None and self._held_bytes(index, False) > budget // 2 else []
         module = self.load(layer, prefix, tuple(f"{n}." for n in experts))
         module._apply(lambda t: t if t.is_meta else t.to(device))  # Module.to refuses meta tensors
         for name in experts:

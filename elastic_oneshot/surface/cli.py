@@ -79,7 +79,8 @@ def _run_arguments(run):
                           "from its restarts, else an hour)")
     run.add_argument("--max-memory", metavar="BYTES",
                      help="bound a layer's working set on each rank's device, e.g. 24GB (default: 80 %% of what it "
-                          "has free): a layer of many experts is calibrated and solved in batches that fit")
+                          "has free): a layer of many experts is calibrated and solved in batches that fit, and "
+                          "under --moe-calibrate routed one more than half of it reads its experts with their batch")
     run.add_argument("--collective-timeout", type=float, default=60.0,
                      help="seconds before a collective gives up on a silent rank (under torchrun)")
     run.add_argument("--coordinator", metavar="URL",
