@@ -135,8 +135,7 @@ def test_experts_in_batches_under_max_memory_give_the_same_bits(tiny_moe, ours, 
     out, state = str(tmp_path / "out"), str(tmp_path / "state")
     job = dict(model=tiny_moe, num_calibration_samples=SAMPLES, max_seq_length=SEQ, group_size=GROUP,
                chunk_size=SAMPLES, moe_calibrate_all_experts=all_experts)
-    if not all_experts:
-        ours = oneshot(**job, output_dir=str(tmp_path / "whole"))
+    whole = ours if all_experts else oneshot(**job, output_dir=str(tmp_path / "whole"))  # one batch, held whole
     job.update(output_dir=out, state_dir=state, max_memory=max_memory, boundary_every=0)
     stream = not all_experts
     with caplog.at_level(logging.INFO, logger="elastic_oneshot"):
@@ -144,7 +143,7 @@ def test_experts_in_batches_under_max_memory_give_the_same_bits(tiny_moe, ours, 
     found = re.findall(r"layer (\d): \d+ groups in (\d+) batches(, each reading its experts)?", caplog.text)
     assert [layer for layer, _, _ in found] == ["0", "1"], caplog.text
     assert all(int(n) > 1 and bool(reading) == stream for _, n, reading in found), found
-    assert tree_digest(out) == tree_digest(ours)
+    assert tree_digest(out) == tree_digest(whole)
 
     os.remove(os.path.join(state, "commits/00001.e00001.json"))  # layer 1 redone from scratch
     shutil.rmtree(os.path.join(state, "layers/00001"))
@@ -153,7 +152,7 @@ def test_experts_in_batches_under_max_memory_give_the_same_bits(tiny_moe, ours, 
     with caplog.at_level(logging.INFO, logger="elastic_oneshot"):
         oneshot(**job)
     assert "replayed layers 0..0" in caplog.text
-    assert tree_digest(out) == tree_digest(ours)
+    assert tree_digest(out) == tree_digest(whole)
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3", "mixtral"])
