@@ -87,36 +87,9 @@ def prepare(names: list[str], a):
         gpu.random_token_text(os.path.join(work, f"tokens-{samples}x{seq_len}.txt"), vocab, samples, seq_len)
 
 
-def bench(name: str, a, env: dict, peer: bool) -> dict:
-    samples, seq_len, work = sizes(name, a)
-    model, data = os.path.join(work, "model"), os.path.join(work, f"tokens-{samples}x{seq_len}.txt")
-    print(f"\n== {name}: {samples} x {seq_len} random tokens, W4A16 group 128", flush=True)
-    out, peer_out = os.path.join(work, "ours"), os.path.join(work, "peer")
-    runs = {}
-
-    def run_ours(every: str, output: str) -> dict:
-        for d in (output, output + ".state"):
-            shutil.rmtree(d, ignore_errors=True)
-        runs[every] = measure("ours", ["run", "--model", model, "--dataset", data, "--output", output,
-                                       "--state", output + ".state", "--num-samples", str(samples), "--seq-len",
-                                       str(seq_len), "--group-size", "128", "--chunk-size", str(a.chunk_size),
-                                       "--boundary-every", every], os.path.join(work, f"ours-{every}.log"), env)
-        runs[every]["phases"] = phases(output + ".state")
-        print(f"ours (--boundary-every {every}): {runs[every]['wall']:.1f} s", flush=True)
-        return runs[every]
-
-    ours = run_ours("auto" if a.durability else a.boundary_every, out)
-    theirs = None
-    if peer:  # before the second run of ours: where a deadline cuts the bench short, the ratio is already printed
-        shutil.rmtree(peer_out, ignore_errors=True)
-        theirs = measure("peer", [json.dumps(dict(model_dir=model, out=peer_out, dataset=data, samples=samples,
-                                                  seq_len=seq_len, group_size=128, dtype="auto",
-                                                  moe="moe" in gpu.SHAPES[name][0]))],
-                         os.path.join(work, "peer.log"), env)
-        print(f"peer: {theirs['wall']:.1f} s, ratio {ours['wall'] / theirs['wall']:.3f} (target <= 0.6)", flush=True)
-    if a.durability:
-        run_ours("0", out + "-0")
-
+def table(name: str, ours: dict, theirs: dict | None, out: str, peer_out: str, samples: int, seq_len: int):
+    """The figures of one model, printed as soon as both sides have run: a deadline that cuts the durability run
+    short leaves them printed. Returns the share of identical codes (None without the peer)."""
     gb = 2**30
     print(f"\n{name} on {ours['device']} (torch {ours['torch']}), {samples} x {seq_len} tokens")
     print(f"{'':26}{'ours':>10}{'peer':>10}{'ratio':>8}")
@@ -146,18 +119,50 @@ def bench(name: str, a, env: dict, peer: bool) -> dict:
     print(f"  {'the rest of the wall':24}{ours['wall'] - sum(seconds.values()):9.2f} s   (imports, tokenizing, "
           "embedding, the trial of layer 0, export)")
     print(f"  {'(not in the events)':24} boundary writes: behind the computation, in the I/O thread")
-    if a.durability:
-        off, on = runs["0"]["wall"], runs["auto"]["wall"]
-        same_bits = tree_digest(out) == tree_digest(out + "-0")
-        print(f"durability: --boundary-every auto {on:.1f} s, 0 {off:.1f} s: overhead {on / off - 1:+.2%} "
-              f"(target <= 5 %); the two checkpoints' bytes {'are identical' if same_bits else 'DIFFER'}")
     print(f"last lines of ours ({ours['log']}):\n{tail(ours['log'])}")
     if theirs:
         print(f"last lines of the peer's ({theirs['log']}):\n{tail(theirs['log'])}")
     sys.stdout.flush()
+    return same
+
+
+def bench(name: str, a, env: dict, peer: bool) -> dict:
+    samples, seq_len, work = sizes(name, a)
+    model, data = os.path.join(work, "model"), os.path.join(work, f"tokens-{samples}x{seq_len}.txt")
+    print(f"\n== {name}: {samples} x {seq_len} random tokens, W4A16 group 128", flush=True)
+    out, peer_out = os.path.join(work, "ours"), os.path.join(work, "peer")
+    runs = {}
+
+    def run_ours(every: str, output: str) -> dict:
+        for d in (output, output + ".state"):
+            shutil.rmtree(d, ignore_errors=True)
+        runs[every] = measure("ours", ["run", "--model", model, "--dataset", data, "--output", output,
+                                       "--state", output + ".state", "--num-samples", str(samples), "--seq-len",
+                                       str(seq_len), "--group-size", "128", "--chunk-size", str(a.chunk_size),
+                                       "--boundary-every", every], os.path.join(work, f"ours-{every}.log"), env)
+        runs[every]["phases"] = phases(output + ".state")
+        print(f"ours (--boundary-every {every}): {runs[every]['wall']:.1f} s, peak GPU memory "
+              f"{runs[every]['peak_gpu_bytes'] / 2**30:.2f} GB", flush=True)
+        return runs[every]
+
+    ours = run_ours("auto" if a.durability else a.boundary_every, out)
+    theirs = None
+    if peer:
+        shutil.rmtree(peer_out, ignore_errors=True)
+        theirs = measure("peer", [json.dumps(dict(model_dir=model, out=peer_out, dataset=data, samples=samples,
+                                                  seq_len=seq_len, group_size=128, dtype="auto",
+                                                  moe="moe" in gpu.SHAPES[name][0]))],
+                         os.path.join(work, "peer.log"), env)
+        print(f"peer: {theirs['wall']:.1f} s, ratio {ours['wall'] / theirs['wall']:.3f} (target <= 0.6)", flush=True)
+    same = table(name, ours, theirs, out, peer_out, samples, seq_len)
+    if a.durability:  # last: where a deadline cuts the bench short, the figures above are printed
+        run_ours("0", out + "-0")
+        off, on = runs["0"]["wall"], runs["auto"]["wall"]
+        same_bits = tree_digest(out) == tree_digest(out + "-0")
+        print(f"durability: --boundary-every auto {on:.1f} s, 0 {off:.1f} s: overhead {on / off - 1:+.2%} "
+              f"(target <= 5 %); the two checkpoints' bytes {'are identical' if same_bits else 'DIFFER'}", flush=True)
     return {"model": name, "samples": samples, "seq_len": seq_len, "ours": ours, "peer": theirs, "identical": same,
             "boundary_runs": {k: v["wall"] for k, v in runs.items()}}
-
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

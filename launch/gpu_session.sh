@@ -7,10 +7,10 @@
 #   qwen3-30b-a3b   bench/gpu.py at full size: 2 layers, 128 experts, 128 x 2048 tokens
 #                   (each fits one 10-minute device call: see `all` for the times measured)
 #   durability      bench/gpu.py --durability --skip-peer on the Llama: auto against 0
-#   all             within one 10-minute call: the Llama with --durability and the peer, the Qwen3-MoE, then the
-#                   CUDA tests (8 at a time) with what time is left; each cut off at its deadline. As measured on
-#                   an H200 (2026-11-26): the Llama's models 23 s, ours 118 s a run, the peer's 121 s; the Qwen3-MoE's
-#                   models 21 s, ours 63 s; the tests more than 150 s at 5 at a time
+#   all             the figures within one 10-minute call: the Llama with the peer then --durability (to 320 s),
+#                   the Qwen3-MoE with the peer (to 590 s); each cut off at its deadline. Then `tests -n 8` as a
+#                   second call. As measured on an H100 (2026-11-26): a start 30 s; the Llama's models 22 s, ours
+#                   72 s a run, the peer's 123 s; the Qwen3-MoE's models 17 s, ours 37 s; `tests -n 8` 142 s
 # Arguments after the step go to pytest or bench/gpu.py (`llama3-8b --samples 64`). Logs go to $OUT (the device tool's folder that comes back), else /tmp/gpu-session.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -47,8 +47,7 @@ case "$step" in
     all) start=$SECONDS
         step_until() { local until=$1; shift; timeout $((until - (SECONDS - start))) bash "$0" "$@"
             echo "== $1: exit $? at $((SECONDS - start)) s"; }
-        step_until 300 llama3-8b --durability
-        step_until 450 qwen3-30b-a3b
-        step_until 585 tests -n 8 ;;
+        step_until 320 llama3-8b --durability
+        step_until 590 qwen3-30b-a3b ;;
     *) echo "unknown step $step"; exit 2 ;;
 esac
