@@ -5,6 +5,7 @@ group 128: a Llama-3-8B-shaped model cut to its first 8 decoder layers, and a Qw
     python bench/gpu.py                        # both models: 256 x 2048 tokens (Llama), 128 x 2048 (Qwen3-MoE)
     python bench/gpu.py --only llama3-8b       # one of them (each fits one 10-minute device call)
     python bench/gpu.py --durability           # also ours with --boundary-every 0: the overhead of boundaries
+    python bench/gpu.py --memory-trace         # on a GPU: where each side's peak GPU memory was (slower runs)
     python bench/gpu.py --tiny                 # the same code on CPU, tiny shapes, 16 x 128 tokens (about a
                                                # minute of CPU, most of it five interpreters importing)
 
@@ -119,6 +120,11 @@ def table(name: str, ours: dict, theirs: dict | None, out: str, peer_out: str, s
     print(f"  {'the rest of the wall':24}{ours['wall'] - sum(seconds.values()):9.2f} s   (imports, tokenizing, "
           "embedding, the trial of layer 0, export)")
     print(f"  {'(not in the events)':24} boundary writes: behind the computation, in the I/O thread")
+    for side, facts in (("ours", ours), ("the peer's", theirs)):
+        if facts and facts.get("peak_sites"):
+            print(f"{side} blocks live at the peak ({facts['peak_sites'][0][1] / 2**30:.3f} GB), by where allocated:")
+            for site, size in facts["peak_sites"][1:]:
+                print(f"  {size / 2**30:9.3f} GB  {site}")
     print(f"last lines of ours ({ours['log']}):\n{tail(ours['log'])}")
     if theirs:
         print(f"last lines of the peer's ({theirs['log']}):\n{tail(theirs['log'])}")
@@ -174,6 +180,8 @@ def main():
     p.add_argument("--boundary-every", default="auto", help="ours: auto, N or 0 (its default auto)")
     p.add_argument("--durability", action="store_true", help="run ours with --boundary-every auto and 0: overhead")
     p.add_argument("--skip-peer", action="store_true", help="ours alone")
+    p.add_argument("--memory-trace", action="store_true",
+                   help="on a GPU, each side records its allocations: where its peak GPU memory was (slower runs)")
     p.add_argument("--workdir", default=os.path.join(ROOT, "bench-work", "gpu"))
     p.add_argument("--prepare-only", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -185,6 +193,8 @@ def main():
         # the CPU path, whatever the machine; both sides on one thread, as in the parity tests (LAPACK's Cholesky
         # gives other bits on several threads: DESIGN.md section 6)
         env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    if a.memory_trace:
+        env["ELASTIC_ONESHOT_MEMORY_TRACE"] = "1"
     t = time.perf_counter()
     subprocess.run([sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--prepare-only"], check=True, env=env)
     print(f"models and tokens ready in {time.perf_counter() - t:.0f} s", flush=True)

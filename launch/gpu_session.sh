@@ -7,6 +7,7 @@
 #   qwen3-30b-a3b   bench/gpu.py at full size: 2 layers, 128 experts, 128 x 2048 tokens
 #                   (each fits one 10-minute device call: see `all` for the times measured)
 #   durability      bench/gpu.py --durability --skip-peer on the Llama: auto against 0
+#   memory          bench/gpu.py --memory-trace on the Llama at 16 x 2048: where each side's peak GPU memory was
 #   all             the figures within one 10-minute call: the Llama with the peer then --durability (to 320 s),
 #                   the Qwen3-MoE with the peer (to 590 s); each cut off at its deadline. Then `tests -n 8` as a
 #                   second call. As measured on an H100 (2026-11-26): a start 30 s; the Llama's models 22 s, ours
@@ -42,6 +43,8 @@ case "$step" in
         | grep -E "codes identical|peak GPU|committed layers|passed|failed|skipped|PASSED|FAILED|SKIPPED|ERROR|Error|^E " ;;
     llama3-8b|qwen3-30b-a3b) "$PY" bench/gpu.py --only "$step" --workdir /tmp/bench-gpu "$@" 2>&1 \
         | tee "$OUT/bench-$step.log" | grep -v "Writing model shards" ;;
+    memory) "$PY" bench/gpu.py --only llama3-8b --samples 16 --memory-trace --workdir /tmp/bench-gpu "$@" 2>&1 \
+        | tee "$OUT/bench-memory.log" | grep -v "Writing model shards" ;;
     durability) "$PY" bench/gpu.py --only llama3-8b --durability --skip-peer --workdir /tmp/bench-gpu "$@" 2>&1 \
         | tee "$OUT/bench-durability.log" | grep -v "Writing model shards" ;;
     all) start=$SECONDS

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from elastic_oneshot.testing.gpu import peer_available
+from elastic_oneshot.testing.gpu import peak_sites, peer_available
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -36,3 +36,22 @@ def test_bench_gpu_tiny(tmp_path):
         assert results["qwen3-30b-a3b"]["identical"] >= 0.8  # the peer's bidirectional attention (DESIGN.md 6)
     else:
         assert "the peer was skipped" in proc.stdout
+
+
+def test_peak_sites_sums_the_blocks_live_at_the_peak_by_their_frame():
+    """bench/gpu.py --memory-trace's account of a peak, on an allocator trace of the shape torch records."""
+    def frames(line):
+        return [{"filename": "/x/site-packages/elastic_oneshot/loop/calibration.py", "line": line, "name": "hook"},
+                {"filename": "/x/site-packages/torch/nn/modules/module.py", "line": 1, "name": "_call_impl"}]
+
+    trace = [{"action": "alloc", "addr": 1, "size": 100, "frames": frames(33)},
+             {"action": "alloc", "addr": 2, "size": 50, "frames": frames(33)},
+             {"action": "alloc", "addr": 3, "size": 40, "frames": [{"filename": "t.py", "line": 9, "name": "f"}]},
+             {"action": "free_requested", "addr": 3, "size": 40},
+             {"action": "free_completed", "addr": 3, "size": 40},
+             {"action": "alloc", "addr": 3, "size": 60, "frames": frames(47)},  # the peak: 100 + 50 + 60
+             {"action": "free_completed", "addr": 1, "size": 100},
+             {"action": "alloc", "addr": 4, "size": 90, "frames": frames(47)}]  # 200: below the peak
+    assert peak_sites(trace) == [("peak", 210), ("elastic_oneshot/loop/calibration.py:33 hook", 150),
+                                 ("elastic_oneshot/loop/calibration.py:47 hook", 60)]
+    assert peak_sites(trace, sites=1)[1:] == [("elastic_oneshot/loop/calibration.py:33 hook", 150)]

@@ -125,6 +125,35 @@ def identical(a: dict, b: dict) -> float:
     return sum((a[k] == b[k]).sum().item() for k in a) / sum(v.numel() for v in a.values())
 
 
+def peak_sites(trace: list[dict], sites: int = 10) -> list[tuple[str, int]]:
+    """Where a process's peak GPU memory was: the blocks live at the peak of an allocator trace (one device's events
+    of `torch.cuda.memory._snapshot()`), summed by the innermost frame of ours or the peer's (else the innermost
+    Python frame) that allocated them, largest first, with the peak itself first as ("peak", bytes)."""
+    live, total, peak, at = {}, 0, 0, -1
+    for i, e in enumerate(trace):
+        if e["action"] == "alloc":
+            live[e["addr"]] = e["size"]
+            total += e["size"]
+            if total > peak:
+                peak, at = total, i
+        elif e["action"] == "free_completed" and live.pop(e["addr"], None) is not None:
+            total -= e["size"]
+    live = {}
+    for e in trace[:at + 1]:
+        if e["action"] == "alloc":
+            live[e["addr"]] = e
+        elif e["action"] == "free_completed":
+            live.pop(e["addr"], None)
+    by_site: dict[str, int] = {}
+    for e in live.values():
+        frames = e.get("frames") or [{"filename": "?", "line": 0, "name": "?"}]
+        ours = [f for f in frames if "elastic_oneshot" in f["filename"] or "llmcompressor" in f["filename"]]
+        f = (ours or frames)[0]
+        site = f"{f['filename'].rsplit('site-packages/', 1)[-1].rsplit('/main/', 1)[-1]}:{f['line']} {f['name']}"
+        by_site[site] = by_site.get(site, 0) + e["size"]
+    return [("peak", peak), *sorted(by_site.items(), key=lambda kv: -kv[1])[:sites]]
+
+
 def _report(path: str, side: str, start: float, **more):
     gpu = torch.cuda.is_available() and torch.cuda.is_initialized()
     facts = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
@@ -140,6 +169,9 @@ def _report(path: str, side: str, start: float, **more):
 def main(argv: list[str]) -> int:
     start = time.perf_counter()
     side, report, *rest = argv
+    trace = torch.cuda.is_available() and os.environ.get("ELASTIC_ONESHOT_MEMORY_TRACE") == "1"
+    if trace:  # python stacks only: C++ ones slow every allocation
+        torch.cuda.memory._record_memory_history(stacks="python", max_entries=2_000_000)
     if side == "ours":
         from elastic_oneshot.surface.cli import main as cli
 
@@ -149,7 +181,15 @@ def main(argv: list[str]) -> int:
         code = 0
     else:
         raise SystemExit(f"unknown side {side}: ours or peer")
-    _report(report, side, start, exit=code)
+    sites = []
+    if trace:
+        device = torch.cuda.current_device()
+        sites = peak_sites(torch.cuda.memory._snapshot()["device_traces"][device])
+        print(f"{side}: the blocks live at the peak of the allocator's trace ({sites[0][1] / 2**30:.3f} GB), by "
+              "where they were allocated:", file=sys.stderr)
+        for site, size in sites[1:]:
+            print(f"{size / 2**30:9.3f} GB  {site}", file=sys.stderr)
+    _report(report, side, start, exit=code, peak_sites=sites)
     return code
 
 
