@@ -2,7 +2,8 @@
 # One step of a GPU session, run ON the GPU machine from the checkout's root (docs/operations.md, "A GPU session"):
 # installs the wheelhouse that launch/wheelhouse.sh --peer made here beforehand (.wheelhouse/, carried), then
 #   tests           the CUDA tests (tests/test_cuda.py: bfloat16 and float32), made to fail rather than skip
-#                   if torch sees no GPU
+#                   if torch sees no GPU; the figures they print reach tests.log as captured output (-rA, no -s:
+#                   under -n, what workers print straight out is lost)
 #   llama3-8b       bench/gpu.py at full size: 8 layers, 256 x 2048 tokens
 #   qwen3-30b-a3b   bench/gpu.py at full size: 2 layers, 128 experts, 128 x 2048 tokens
 #                   (each fits one 10-minute device call: see `all` for the times measured)
@@ -38,7 +39,7 @@ fi
 "$PY" -c 'import elastic_oneshot, compressed_tensors; print("elastic_oneshot from", elastic_oneshot.__file__)'
 
 case "$step" in
-    tests) ELASTIC_ONESHOT_TEST_DEVICE="${ELASTIC_ONESHOT_TEST_DEVICE:-cuda}" "$PY" -m pytest -q -rA -s \
+    tests) ELASTIC_ONESHOT_TEST_DEVICE="${ELASTIC_ONESHOT_TEST_DEVICE:-cuda}" "$PY" -m pytest -q -rA \
         -p no:cacheprovider --durations=0 tests/test_cuda.py "$@" 2>&1 | tee "$OUT/tests.log" \
         | grep -E "codes identical|peak GPU|committed layers|passed|failed|skipped|PASSED|FAILED|SKIPPED|ERROR|Error|^E " ;;
     llama3-8b|qwen3-30b-a3b) "$PY" bench/gpu.py --only "$step" --workdir /tmp/bench-gpu "$@" 2>&1 \
