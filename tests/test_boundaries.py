@@ -43,14 +43,13 @@ def test_mtbf_from_the_jobs_own_restarts():
 
 
 def reports(*ranks):
-    return [{"written": w, "busy": busy, "write_s": 1.0, "seconds": {"calibrate": 8.0, "propagate": 2.0}}
-            for w, busy in ranks]
+    return [{"written": w, "busy": busy, "write_s": 1.0, "estimate_s": 1.0,
+             "seconds": {"calibrate": 8.0, "propagate": 2.0}} for w, busy in ranks]
 
 
 def test_a_boundary_is_durable_once_every_chunk_is_written(tmp_path):
     b = Boundaries(StateStore(str(tmp_path)), ThreadPoolExecutor(1), None, num_layers=30, num_chunks=3)
     rec = {"path": "x", "size": 1, "xxh3_128": "0"}
-    assert b.due(1)  # nothing measured yet: write one
     assert b.settle(reports(({4: {"0": rec}}, False), ({}, True))) is None  # rank 1 still writing chunks 1, 2
     assert not b.due(5)  # a write in flight somewhere: skip, never queue
     assert b.settle(reports(({}, False), ({4: {"1": rec, "2": rec}}, False))) == {
@@ -78,10 +77,10 @@ def test_writes_one_in_flight_and_reports_it(tmp_path):
     b.submit(1, 1, {0: torch.ones(2, 3), 1: torch.zeros(2, 3)})
     io.submit(gate.wait)  # the I/O thread busy: the next write stays in flight
     b.submit(2, 1, {0: torch.ones(2, 3), 1: torch.zeros(2, 3)})  # waits for the first
-    assert b.settle([b.report({})])["layer"] == 1
+    assert b.settle([b.report({}, 0)])["layer"] == 1
     gate.set()
     io.submit(lambda: None).result()  # one I/O thread, in order: the second write has finished
-    done = b.settle([b.report({})])
+    done = b.settle([b.report({}, 0)])
     assert done["layer"] == 2 and sorted(done["chunks"]) == ["0", "1"]
     assert torch.equal(state.read_tensors(done["chunks"]["1"])["hidden_states"], torch.zeros(2, 3))
     assert b.durable == [1, 2] and b.prunable() == 1
@@ -89,10 +88,30 @@ def test_writes_one_in_flight_and_reports_it(tmp_path):
 
 def test_auto_never_writes_closer_than_a_write_takes_nor_too_late_to_be_durable(tmp_path):
     b = Boundaries(StateStore(str(tmp_path)), ThreadPoolExecutor(1), None, 10, 1)
-    assert b.due(1) and not b.due(2)  # the probe, then nothing until a commit reports what it cost
-    b.settle([{"written": {}, "busy": False, "write_s": 5.0, "seconds": {"calibrate": 1.0, "propagate": 0.5}}])
+    b.settle([{"written": {}, "busy": False, "write_s": 5.0, "estimate_s": 1.0,
+               "seconds": {"calibrate": 1.0, "propagate": 0.5}}])
     # a write takes 5 s, a layer 1.5 s: at least 4 layers apart, and none once fewer than 4 layers remain
     assert [n for n in range(1, 10) if b.due(n)] == [4, 5, 6]
+
+
+def test_auto_writes_no_boundary_only_to_measure_the_link(tmp_path):
+    """Before any boundary write is measured, its cost is estimated from the rate at which this rank's commit
+    files uploaded and the bytes of its inputs; nothing is due before a commit has reported either."""
+    b = Boundaries(StateStore(str(tmp_path)), ThreadPoolExecutor(1), None, 40, 1)
+    assert not any(b.due(n) for n in range(1, 40))  # no commit yet: the layers' times are not known
+    seconds = {"calibrate": 1.0, "propagate": 0.1}
+    b.settle([b.report(seconds, nbytes=10**6)])
+    assert not any(b.due(n) for n in range(1, 40))  # nothing uploaded yet: the link's rate is not known
+    b.uploaded(10**5, 0.5)
+    b.uploaded(10**5, 0.5)  # 200 kB/s: a boundary of 1 MB takes 5 s, at least 5 layers of 1.1 s
+    report = b.report(seconds, nbytes=10**6)
+    assert report["estimate_s"] == 5.0 and report["write_s"] is None
+    b.settle([report])
+    assert [n for n in range(1, 40) if b.due(n)][:1] == [auto_interval(5.0, 1.1, 0.1, DEFAULT_MTBF_S)] == [12]
+    b.settle([{**report, "write_s": 20.0}])  # a boundary write measured: its own time, not the estimate
+    assert [n for n in range(1, 40) if b.due(n)][:1] == [auto_interval(20.0, 1.1, 0.1, DEFAULT_MTBF_S)] == [19]
+    b.settle([{**report, "write_s": 30.0}])  # 28 layers apart at least, but none durable in time from layer 13 on
+    assert not any(b.due(n) for n in range(1, 40))
 
 
 def test_a_write_in_flight_stops_when_the_job_is_done(tmp_path):
@@ -102,7 +121,7 @@ def test_a_write_in_flight_stops_when_the_job_is_done(tmp_path):
     b.submit(1, 1, {0: torch.ones(2, 3), 1: torch.zeros(2, 3)})
     threading.Timer(0.2, gate.set).start()
     b.drain()  # before the write starts: it writes nothing
-    assert b.settle([b.report({})]) is None and not (tmp_path / "boundaries").exists()
+    assert b.settle([b.report({}, 0)]) is None and not (tmp_path / "boundaries").exists()
 
 
 @pytest.fixture(scope="module")

@@ -13,9 +13,11 @@ auto: Young and Daly's interval sqrt(2 C M) for a write taking C seconds (as mea
 link) and a mean time between failures M, in layers, at most 1 + (a layer's compute / its propagation),
 so that a replay costs at most one layer's compute, and at least the layers a write takes, so that
 writes never queue; a boundary due while a write is still in flight anywhere is skipped, and so is one
-that could not be durable before the last layer is done. The first boundary of an epoch measures the write:
-no other is due until a commit has reported it. When the job is done, a write in flight stops after its
-current chunk.
+that could not be durable before the last layer is done. Until a boundary write has been measured, C is
+estimated from the link as this rank's commits found it (the upload rate of its solved records) and the bytes
+of its inputs: no boundary is written only to measure the link (at GPU speed, a whole boundary's bytes on the
+link at the epoch's start, most often where a replay from the embeddings costs less than a layer). When the
+job is done, a write in flight stops after its current chunk.
 """
 
 import math
@@ -102,6 +104,7 @@ class Boundaries:
         self.num_layers, self.num_chunks = num_layers, num_chunks
         self._flight: tuple[int, Future] | None = None
         self._write_s: float | None = None  # this rank's last finished write (all its chunks)
+        self._uploaded = (0, 0.0)  # bytes and seconds of this rank's solved records' uploads: the link's rate
         self._done = False  # the job is done: writes stop
         self.restart([], DEFAULT_MTBF_S)
 
@@ -113,7 +116,6 @@ class Boundaries:
         self._pending: dict[int, dict] = {}  # chunk records of boundaries not yet complete
         self._written: dict[int, dict] = {}  # this rank's finished writes not yet reported at a commit
         self._gathered: list[dict] | None = None
-        self._probing = False  # a boundary was written to measure the link, and no commit has reported it yet
 
     def due(self, layer: int) -> bool:
         """Whether every rank writes its chunks' inputs of `layer` now."""
@@ -121,12 +123,14 @@ class Boundaries:
             return False
         if self.every is not None:
             return layer % self.every == 0
-        if self._gathered is None or any(g["write_s"] is None for g in self._gathered):
-            probe, self._probing = not self._probing, True  # nothing measured yet: write one, learn its cost
-            return probe
+        if self._gathered is None:
+            return False  # the epoch's first commit brings the layers' times and the link's rate
         if any(g["busy"] for g in self._gathered):
             return False  # skip rather than queue behind a write in flight
-        write_s = max(g["write_s"] or 0.0 for g in self._gathered)
+        costs = [g["write_s"] if g["write_s"] is not None else g["estimate_s"] for g in self._gathered]
+        if all(c is None for c in costs):
+            return False  # nothing uploaded yet: the link's rate is not known
+        write_s = max(c for c in costs if c is not None)
         layer_s = max(sum(v for k, v in g["seconds"].items() if k != "commit") for g in self._gathered)
         propagate_s = max(g["seconds"].get("propagate", 0.0) for g in self._gathered)
         if (self.num_layers - layer) * layer_s < write_s:
@@ -159,13 +163,21 @@ class Boundaries:
         self._write_s = time.perf_counter() - start
         return records
 
-    def report(self, seconds: dict) -> dict:
+    def uploaded(self, nbytes: int, seconds: float):
+        """A commit's file of `nbytes` took `seconds` to upload (on the I/O thread): the link as commits find it."""
+        done, took = self._uploaded
+        self._uploaded = (done + nbytes, took + seconds)
+
+    def report(self, seconds: dict, nbytes: int) -> dict:
         """This rank's part of a commit: its finished writes (a failed one raises: the state is not
-        writable), whether one is still in flight, and what its layer and last write took."""
+        writable), whether one is still in flight, what its layer and last write took, and what a write of
+        its `nbytes` of inputs would take at the rate its commits' files uploaded (None before any did)."""
         if self._flight is not None and self._flight[1].done():
             self._land()
         written, self._written = self._written, {}
-        return {"written": written, "busy": self._flight is not None, "write_s": self._write_s, "seconds": seconds}
+        done, took = self._uploaded
+        return {"written": written, "busy": self._flight is not None, "write_s": self._write_s,
+                "estimate_s": nbytes * took / done if done else None, "seconds": seconds}
 
     def settle(self, reports: list[dict]) -> dict | None:
         """Every rank's reports at a commit: the boundary that became durable with it, {"layer", "chunks"},

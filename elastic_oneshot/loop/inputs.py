@@ -100,6 +100,10 @@ class LayerInputs:
         for chunk in self.own:
             yield chunk, self._held[chunk].to(self.device, non_blocking=True)
 
+    def held_bytes(self) -> int:
+        """The bytes of this rank's chunks' inputs held in memory: what a boundary of theirs writes."""
+        return sum(x.nbytes for x in self._held.values())
+
     def keep(self, layer: int, inputs: dict[int, torch.Tensor]):
         """This rank's chunks' inputs to `layer` (host tensors, see `to_host`), for the next `each(layer)`."""
         self._held_layer, self._held = layer, inputs

@@ -293,7 +293,7 @@ class Runner:
             packed = {k: v for g, weight in solved for k, v in packing.pack(g, weight).items()}
             written.update(g.name for g, _ in solved)
             tensors.update(packed)
-            writes.append(self.priority.submit(self.io, self.protocol.write_solved, layer, self.epoch,
+            writes.append(self.priority.submit(self.io, self.write_solved, layer, self.epoch,
                                                f"r{self.rank}.b{len(writes):04d}", [g.name for g, _ in solved],
                                                {k: v.cpu() for k, v in packed.items()}))
 
@@ -304,6 +304,13 @@ class Runner:
             if g.name not in written:
                 tensors.update(packing.pack(g, results[g.name]))
         return tensors, {name: {"damping": d} for g, d in executor.damping.items() for name, _ in g.modules}
+
+    def write_solved(self, layer: int, epoch: int, name: str, groups: list[str], tensors: dict) -> dict:
+        """On the I/O thread: solved groups to storage, their upload timed (the link's rate, for `auto`)."""
+        start = time.perf_counter()
+        record = self.protocol.write_solved(layer, epoch, name, groups, tensors)
+        self.boundaries.uploaded(record["file"]["size"], time.perf_counter() - start)
+        return record
 
     def settle(self, keep: int = 0):
         """Commit computed layers, oldest first, until `keep` remain. A SIGTERM seen by any rank is learnt by all
@@ -322,7 +329,7 @@ class Runner:
         with _timed(c.seconds, "commit"):
             solved = [f.result() for f in c.writes]
             everyone = self.world.gather_objects({"notes": c.notes, "solved": solved, "stop": signals.requested(),
-                                                  **self.boundaries.report(c.seconds)})
+                                                  **self.boundaries.report(c.seconds, self.inputs.held_bytes())})
             boundary = self.boundaries.settle(everyone)
             if self.rank == 0:
                 self.protocol.commit(c.layer, self.epoch, {

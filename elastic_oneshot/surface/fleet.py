@@ -66,6 +66,7 @@ COLUMN_S = 1.2e-4  # GPTQ's column loop on a GPU, per column: about a dozen eage
 EXPERT_CALL_S = 1e-4  # one expert called in the loop over experts, per chunk and pass: bound by launches
 CHUNK_SIZE = 8  # `run --chunk-size`'s default: ranks take whole chunks of samples
 SCALE_BYTES = 2  # per column group of a compressed weight (bf16 scales; fp8-scaled formats take less)
+FIRST_DUE = 3  # layers after an epoch's first before a boundary can be due: the first commit is one layer behind
 # Restarts: torchrun as launch/env.sh configures it (RDZV_CONF; tests/test_fleet.py keeps these in step):
 NOTICE_S = 1 * 3  # keep_alive_interval x keep_alive_max_attempt: survivors notice a lost node
 RENDEZVOUS_S = 2  # last_call_timeout: the rendezvous waits this long for more nodes once MIN are in
@@ -351,12 +352,13 @@ def uninterrupted(tl: Timeline) -> float:
 
 
 def _durable(tl: Timeline, first: int, began: float, upto: int, when: float, boundary: int) -> int:
-    """The newest boundary durable at `when` of an epoch that began layer `first` at `began`: its first layer's
-    inputs are written at once (the write that measures the link), then every `interval` layers, each durable a
-    write's time after its layer starts; `boundary` if none is."""
-    written = first
-    for layer in range(first, min(upto, len(tl.interval) - 1) + 1):
-        if layer > written and layer - written >= tl.interval[layer]:
+    """The newest boundary durable at `when` of an epoch that began layer `first` at `began`, after `boundary`
+    (0: the embeddings): none is written before the epoch's first commit reports the layers' times (the inputs of
+    its fourth layer are the first that can be), then one wherever `interval` layers have passed since the newest
+    written or durable one, each durable a write's time after its layer starts."""
+    written = boundary
+    for layer in range(first + FIRST_DUE, min(upto, len(tl.interval) - 1) + 1):
+        if layer - written >= tl.interval[layer]:
             written = layer
         if written == layer and began + tl.cum[layer] - tl.cum[first] + tl.write_s <= when:
             boundary = layer
