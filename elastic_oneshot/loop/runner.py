@@ -28,7 +28,7 @@ from elastic_oneshot.durability.boundaries import Boundaries, Priority, mtbf_fro
 from elastic_oneshot.durability.protocol import CommitProtocol
 from elastic_oneshot.durability.records import Records
 from elastic_oneshot.durability.state import StateStore
-from elastic_oneshot.errors import CorruptStateError, StaleEpochError
+from elastic_oneshot.errors import CorruptStateError, StaleEpochError, StorageError
 from elastic_oneshot.loop.calibration import Calibration
 from elastic_oneshot.loop.data import chunk_bounds, partition
 from elastic_oneshot.loop.inputs import LayerInputs, to_device
@@ -147,7 +147,18 @@ class Runner:
         committed file back once, against its digest (a file can be damaged after its commit): if some fail, their
         layers are redone in a new epoch, and `final` is called again. Meanwhile the other ranks wait in collectives
         of a second each (one as long as the export would time out). If `final` fails otherwise, every rank leaves
-        the process group and rank 0 raises its error."""
+        the process group and rank 0 raises its error. A storage error once a newer epoch has begun is this
+        worker's fencing, not a storage failure: a worker frozen and woken after that epoch pruned the folder it
+        was writing a boundary to is told that it was fenced off."""
+        try:
+            self._run(final)
+        except StorageError as e:
+            current = self.protocol.records.current_epoch()
+            if current != self.epoch:
+                raise StaleEpochError(f"epoch {self.epoch} is stale (epoch {current} has begun): {e}") from e
+            raise
+
+    def _run(self, final: Callable[[CommitProtocol], None]):
         def finished():  # rank 0: "done", or the layers that still verify if `final` found damaged ones
             try:
                 final(self.protocol)
