@@ -170,6 +170,7 @@ def bench(name: str, a, env: dict, peer: bool) -> dict:
     return {"model": name, "samples": samples, "seq_len": seq_len, "ours": ours, "peer": theirs, "identical": same,
             "boundary_runs": {k: v["wall"] for k, v in runs.items()}}
 
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--only", choices=list(gpu.SHAPES), action="append", help="one model (repeatable; default both)")

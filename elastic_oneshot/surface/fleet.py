@@ -66,7 +66,7 @@ COLUMN_S = 1.2e-4  # GPTQ's column loop on a GPU, per column: about a dozen eage
 EXPERT_CALL_S = 1e-4  # one expert called in the loop over experts, per chunk and pass: bound by launches
 CHUNK_SIZE = 8  # `run --chunk-size`'s default: ranks take whole chunks of samples
 SCALE_BYTES = 2  # per column group of a compressed weight (bf16 scales; fp8-scaled formats take less)
-FIRST_DUE = 3  # layers after an epoch's first before a boundary can be due: the first commit is one layer behind
+FIRST_DUE = 3  # layers after an epoch's first before a boundary can be due: runner.COMMITS_BEHIND (1) + 2
 # Restarts: torchrun as launch/env.sh configures it (RDZV_CONF; tests/test_fleet.py keeps these in step):
 NOTICE_S = 1 * 3  # keep_alive_interval x keep_alive_max_attempt: survivors notice a lost node
 RENDEZVOUS_S = 2  # last_call_timeout: the rendezvous waits this long for more nodes once MIN are in

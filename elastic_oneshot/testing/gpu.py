@@ -181,15 +181,8 @@ def main(argv: list[str]) -> int:
         code = 0
     else:
         raise SystemExit(f"unknown side {side}: ours or peer")
-    sites = []
-    if trace:
-        device = torch.cuda.current_device()
-        sites = peak_sites(torch.cuda.memory._snapshot()["device_traces"][device])
-        print(f"{side}: the blocks live at the peak of the allocator's trace ({sites[0][1] / 2**30:.3f} GB), by "
-              "where they were allocated:", file=sys.stderr)
-        for site, size in sites[1:]:
-            print(f"{size / 2**30:9.3f} GB  {site}", file=sys.stderr)
-    _report(report, side, start, exit=code, peak_sites=sites)
+    sites = peak_sites(torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]) if trace else []
+    _report(report, side, start, exit=code, peak_sites=sites)  # bench/gpu.py prints them in its table
     return code
 
 
