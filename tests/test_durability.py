@@ -18,6 +18,7 @@ import pytest
 from elastic_oneshot import oneshot
 from elastic_oneshot.durability.protocol import CommitProtocol
 from elastic_oneshot.durability.state import StateStore, read_events
+from elastic_oneshot.loop.inputs import LayerInputs
 from elastic_oneshot.loop.runner import COMMITS_BEHIND
 from elastic_oneshot.testing.runs import run_cli, tree_digest
 from elastic_oneshot.testing.tiny import make_model, set_architecture
@@ -185,6 +186,29 @@ def test_layers_redone_apart_replay_through_the_one_committed_first(deep_llama, 
         oneshot(model=deep_llama, output_dir=out, state_dir=state, boundary_every=0, **JOB)
     assert re.findall(r"layer (\d+/\d+) committed", caplog.text) == ["3/8", "6/8"]
     assert "replayed layers 0..4 for 6 chunks" in caplog.text
+    assert tree_digest(out) == reference
+
+
+@pytest.mark.parametrize("max_memory, chunk_major", [(None, True), (1, False)])
+def test_a_replay_takes_each_chunk_through_the_layers_as_it_arrives(deep_llama, reference, tmp_path, monkeypatch,
+                                                                    max_memory, chunk_major):
+    """A replay runs each chunk through every replayed layer that half the memory budget holds at once, as soon as
+    the chunk is there (its compute hides behind a boundary's download); with no room for two, layer by layer. The
+    same bits either way."""
+    out, state = str(tmp_path / "out"), str(tmp_path / "state")
+    oneshot(model=deep_llama, output_dir=out, state_dir=state, boundary_every=0, **JOB)
+    os.remove(os.path.join(state, "commits/00005.e00001.json"))
+    shutil.rmtree(out)
+    calls, forward = [], LayerInputs.forward
+
+    def recorded(self, module, layer, x):
+        calls.append(layer)
+        return forward(self, module, layer, x)
+
+    monkeypatch.setattr(LayerInputs, "forward", recorded)
+    oneshot(model=deep_llama, output_dir=out, state_dir=state, boundary_every=0, max_memory=max_memory, **JOB)
+    replayed = [layer for layer in calls if layer < 5][1:]  # the first is the trial of layer 0
+    assert replayed == (list(range(5)) * 6 if chunk_major else [layer for layer in range(5) for _ in range(6)])
     assert tree_digest(out) == reference
 
 

@@ -183,14 +183,29 @@ class LayerInputs:
         self.keep(layer, held)
 
     def _replay(self, start: int, layer: int, held: dict) -> dict[int, torch.Tensor]:
-        """The inputs of `layer` from those of `start`, given as a callable per chunk (that may wait for them)."""
-        if start == layer:
-            return {c: x() for c, x in held.items()}
+        """The inputs of `layer` from those of `start`, given as a callable per chunk (that may wait for them).
+        Chunk by chunk through as many of the layers in between as half the budget holds at once (at least one),
+        so that a chunk goes through them as soon as it arrives: the replay's compute hides behind the download."""
+        window, nbytes = [], 0
         for index in range(start, layer):
             module = self.quantized_layer(index)
-            held = {c: self.to_host(self.forward(module, index, (x() if index == start else x).to(self.device)))
-                    for c, x in held.items()}
-        return held
+            size = sum(t.nbytes for t in module.state_dict().values() if not t.is_meta)
+            if window and nbytes + size > (self.budget or 0) // 2:
+                held, window, nbytes = {c: self._through(window, x) for c, x in held.items()}, [], 0
+            window.append((index, module))
+            nbytes += size
+        return {c: self._through(window, x) for c, x in held.items()}
+
+    def _through(self, window: list[tuple[int, torch.nn.Module]], x) -> torch.Tensor:
+        """A chunk's inputs (a tensor, or a callable that gives them) through the layers of `window`, in host
+        memory."""
+        x = x() if callable(x) else x
+        if not window:
+            return x
+        x = x.to(self.device)
+        for index, module in window:
+            x = self.forward(module, index, x)
+        return self.to_host(x)
 
 
 class _Damaged(Exception):
