@@ -27,13 +27,17 @@ def test_parse_every():
             parse_every(bad)
 
 
-def test_auto_interval_is_young_daly_bounded_by_one_layer_of_replay():
+def test_auto_interval_is_young_daly_bounded_by_one_layer_of_replay_beyond_the_download():
     # sqrt(2 * 2 s * 3600 s) = 120 s = 12 layers of 10 s, but a replay of 11 layers of 3 s propagation
-    # would cost 33 s > one layer: at most 1 + 10 / 3 = 4.
+    # would cost 33 s, far more than the 2 s download it overlaps: at most 1 + 10 / 3 = 4.
     assert auto_interval(write_s=2, layer_s=10, propagate_s=3, mtbf_s=3600) == 4
     assert auto_interval(write_s=2, layer_s=10, propagate_s=0.1, mtbf_s=3600) == 12
     assert auto_interval(write_s=0.001, layer_s=10, propagate_s=3, mtbf_s=3600) == 1
-    assert auto_interval(write_s=50, layer_s=1, propagate_s=0.01, mtbf_s=3600) == 101
+    # A slow link: a 12 s download hides the replay of 10 layers of 1.2 s propagation, so 1 + 12 / 1.2 = 11,
+    # where a replay bounded by one layer's compute (1 + 3 / 1.2 = 3) would take the write's 4 layers.
+    assert auto_interval(write_s=12, layer_s=3, propagate_s=1.2, mtbf_s=3600) == 11
+    assert auto_interval(write_s=50, layer_s=1, propagate_s=0.5, mtbf_s=3600) == 101  # 1 + 50 / 0.5
+    assert auto_interval(write_s=50, layer_s=1, propagate_s=0.05, mtbf_s=3600) == 600  # Young and Daly's
 
 
 def test_mtbf_from_the_jobs_own_restarts():
@@ -90,6 +94,7 @@ def test_auto_never_writes_closer_than_a_write_takes_nor_too_late_to_be_durable(
     b = Boundaries(StateStore(str(tmp_path)), ThreadPoolExecutor(1), None, 10, 1)
     b.settle([{"written": {}, "busy": False, "write_s": 5.0, "estimate_s": 1.0,
                "seconds": {"calibrate": 1.0, "propagate": 0.5}}])
+    b.mtbf_s = 1.0  # Young and Daly alone would write every 2 layers
     # a write takes 5 s, a layer 1.5 s: at least 4 layers apart, and none once fewer than 4 layers remain
     assert [n for n in range(1, 10) if b.due(n)] == [4, 5, 6]
 
@@ -99,19 +104,17 @@ def test_auto_writes_no_boundary_only_to_measure_the_link(tmp_path):
     files uploaded and the bytes of its inputs; nothing is due before a commit has reported either."""
     b = Boundaries(StateStore(str(tmp_path)), ThreadPoolExecutor(1), None, 40, 1)
     assert not any(b.due(n) for n in range(1, 40))  # no commit yet: the layers' times are not known
-    seconds = {"calibrate": 1.0, "propagate": 0.1}
+    seconds = {"calibrate": 1.0, "propagate": 0.5}
     b.settle([b.report(seconds, nbytes=10**6)])
     assert not any(b.due(n) for n in range(1, 40))  # nothing uploaded yet: the link's rate is not known
     b.uploaded(10**5, 0.5)
-    b.uploaded(10**5, 0.5)  # 200 kB/s: a boundary of 1 MB takes 5 s, at least 5 layers of 1.1 s
+    b.uploaded(10**5, 0.5)  # 200 kB/s: a boundary of 1 MB takes 5 s, at least 4 layers of 1.5 s
     report = b.report(seconds, nbytes=10**6)
     assert report["estimate_s"] == 5.0 and report["write_s"] is None
     b.settle([report])
-    assert [n for n in range(1, 40) if b.due(n)][:1] == [auto_interval(5.0, 1.1, 0.1, DEFAULT_MTBF_S)] == [12]
-    b.settle([{**report, "write_s": 20.0}])  # a boundary write measured: its own time, not the estimate
-    assert [n for n in range(1, 40) if b.due(n)][:1] == [auto_interval(20.0, 1.1, 0.1, DEFAULT_MTBF_S)] == [19]
-    b.settle([{**report, "write_s": 30.0}])  # 28 layers apart at least, but none durable in time from layer 13 on
-    assert not any(b.due(n) for n in range(1, 40))
+    assert [n for n in range(1, 40) if b.due(n)][:1] == [auto_interval(5.0, 1.5, 0.5, DEFAULT_MTBF_S)] == [11]
+    b.settle([{**report, "write_s": 8.0}])  # a boundary write measured: its own time, not the estimate
+    assert [n for n in range(1, 40) if b.due(n)][:1] == [auto_interval(8.0, 1.5, 0.5, DEFAULT_MTBF_S)] == [17]
 
 
 def test_a_write_in_flight_stops_when_the_job_is_done(tmp_path):

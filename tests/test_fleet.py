@@ -75,6 +75,16 @@ def test_one_preemption_by_hand():
     assert paid == pytest.approx(wall - 300)  # no node was paid while the replacement came
 
 
+def test_a_restore_replays_each_chunk_as_its_boundary_arrives():
+    """From a boundary, the download and the replay are a pipeline over the rank's chunks; from the embeddings,
+    the replay alone."""
+    tl = F.timeline(model(), FLEET, 1)
+    assert F._restore(tl, 0, 2) == pytest.approx(2 * 1.5)
+    slow = dataclasses.replace(tl, write_s=12.0)
+    assert F._restore(slow, 3, 5) == pytest.approx(12.0 + 2 * 1.5 / tl.chunks)
+    assert F._restore(slow, 1, 10) == pytest.approx(9 * 1.5 + 12.0 / tl.chunks)
+
+
 def test_a_loss_while_the_previous_commit_is_written_loses_that_layer_too():
     tl = F.timeline(model(), FLEET, 1)
     assert F._resumed(tl, 0, 0.0, 3.5 + 0.4, 0, True, lost=True) == (0, 0)  # layer 0's commit not yet written

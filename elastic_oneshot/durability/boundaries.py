@@ -9,15 +9,16 @@ durable only once a commit records every chunk of it. A restart reads the
 newest durable boundary and replays the committed layers after it (forward passes only).
 
 How often (`--boundary-every`): every N layers; 0, never (a restart replays from the embeddings); or
-auto: Young and Daly's interval sqrt(2 C M) for a write taking C seconds (as measured, sharing the
-link) and a mean time between failures M, in layers, at most 1 + (a layer's compute / its propagation),
-so that a replay costs at most one layer's compute, and at least the layers a write takes, so that
-writes never queue; a boundary due while a write is still in flight anywhere is skipped, and so is one
-that could not be durable before the last layer is done. Until a boundary write has been measured, C is
-estimated from the link as this rank's commits found it (the upload rate of its solved records) and the bytes
-of its inputs: no boundary is written only to measure the link (at GPU speed, a whole boundary's bytes on the
-link at the epoch's start, most often where a replay from the embeddings costs less than a layer). When the
-job is done, a write in flight stops after its current chunk.
+auto: Young and Daly's interval sqrt(2 C M) for a write taking C seconds (as measured, sharing the link) and a
+mean time between failures M, in layers, at most 1 + (the longer of a layer's compute and a write / a layer's
+propagation): a restart's replay runs each chunk through the replayed layers as it arrives (inputs.py), so it
+adds at most about one layer's compute to the boundary's download (read back at the rate it was written); and
+at least the layers a write takes, so that writes never queue; a boundary due while a write is still in flight
+anywhere is skipped, and so is one that could not be durable before the last layer is done. Until a boundary
+write has been measured, C is estimated from the link as this rank's commits found it (the upload rate of its
+solved records) and the bytes of its inputs: no boundary is written only to measure the link (at GPU speed, a
+whole boundary's bytes on the link at the epoch's start, most often where a replay from the embeddings costs
+less than a layer). When the job is done, a write in flight stops after its current chunk.
 """
 
 import math
@@ -47,10 +48,11 @@ def parse_every(text: str | int) -> int | None:
 
 
 def auto_interval(write_s: float, layer_s: float, propagate_s: float, mtbf_s: float) -> int:
-    """Young and Daly's optimal interval in layers, bounded so that a replay costs at most one layer, unless a
-    write takes longer than that: never less than the layers one write takes."""
+    """Young and Daly's optimal interval in layers, bounded so that a replay adds at most about one layer's
+    compute to a restart beyond the boundary's download, which it overlaps; never less than the layers one write
+    takes."""
     young = math.sqrt(2 * write_s * mtbf_s) / max(layer_s, 1e-9)
-    bound = 1 + int(layer_s / max(propagate_s, 1e-9))
+    bound = 1 + int(max(layer_s, write_s) / max(propagate_s, 1e-9))
     return max(1, math.ceil(write_s / max(layer_s, 1e-9)), min(round(young), bound))
 
 

@@ -14,7 +14,8 @@ fleet's MTBF. Not modeled: attention's score flops, communication between ranks,
 
 A preemption (no notice) loses the layer in flight, and the one before it while its commit is still being written.
 The surviving nodes notice it, re-rendezvous and resume at one node fewer if MIN allows (else they wait for the
-replacement), from the newest durable boundary, replaying the layers since; a replacement arrives
+replacement), from the newest durable boundary, replaying the layers since (each chunk as its download
+arrives); a replacement arrives
 `--replacement-minutes` after each preemption and joins at the end of the layer in flight (a join costs a restart
 and the replay, no lost work). Preemptions are exponential per node; each row is a seeded Monte Carlo.
 
@@ -319,6 +320,7 @@ class Timeline:
     replay_cum: list[float]  # prefix sums of load + propagate: a replay through layers a..b
     interval: list[int]  # boundaries.auto_interval at each layer
     write_s: float  # one boundary, written (or read back) by every node in parallel
+    chunks: int  # the busiest rank's: a replay runs each through the replayed layers as it arrives
     tail: float  # after the last layer: its commit, then the export (everything read back, written once)
     startup: float  # a start of the workers: interpreter, imports, skeleton, resume point
 
@@ -336,7 +338,15 @@ def timeline(model: ModelWork, fleet: Fleet, nodes: int, resume: bool = True) ->
     interval = [auto_interval(write_s, c, p["propagate"], mtbf) for c, p in zip(compute, phases)]
     total = sum(w.compressed_bytes for w in model.layers)
     return Timeline(_prefix(durations), commit, _prefix([p["load"] + p["propagate"] for p in phases]), interval,
-                    write_s, commit[-1] + 2 * total / fleet.storage, fleet.startup_s)
+                    write_s, math.ceil(math.ceil(fleet.samples / CHUNK_SIZE) / (nodes * fleet.gpus_per_node)),
+                    commit[-1] + 2 * total / fleet.storage, fleet.startup_s)
+
+
+def _restore(tl: Timeline, boundary: int, done: int) -> float:
+    """Inputs of layer `done` from `boundary` (0: the embeddings): its download and the replay, a pipeline of two
+    stages over the rank's chunks (each chunk is replayed as it arrives)."""
+    read, replay = tl.write_s if boundary else 0.0, tl.replay_cum[done] - tl.replay_cum[boundary]
+    return max(read, replay) + min(read, replay) / tl.chunks
 
 
 def _prefix(values: list[float]) -> list[float]:
@@ -387,8 +397,7 @@ def trial(tls: dict[int, Timeline], nodes: int, low: int, fleet: Fleet, preempti
                 t += RENDEZVOUS_S if alive >= low else 0.0
             continue
         tl = tls[alive]
-        restore = 0.0 if done == last or not resume else (
-            (tl.write_s if boundary else 0.0) + tl.replay_cum[done] - tl.replay_cum[boundary])
+        restore = 0.0 if done == last or not resume else _restore(tl, boundary, done)
         began = t + setup + restore  # layer `done` starts
         end = began + tl.cum[last] - tl.cum[done] + tl.tail
         lost = preemptions.after(t, alive)
