@@ -4,6 +4,7 @@
     python bench/durability.py --mbit 50 --samples 64
     python bench/durability.py --previous 1fee0e0   # the same runs of another revision, in the same invocation
     python bench/durability.py --threads 1          # compute on one core, the other left to the server and link
+    python bench/durability.py --repeats 3          # each design three times, interleaved: the ratio of medians
 
 The server (moto) runs in a network namespace of its own, reached over a veth pair shaped by `tc tbf` in both
 directions (elastic_oneshot/testing/netns.py; created and removed here), so concurrent uploads share the link as
@@ -29,6 +30,7 @@ import os
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -125,20 +127,23 @@ def tree_digest(root: str) -> dict:
 
 
 def designs(code: str, label: str, job: list[str], states: str, env: dict, work: str, kill_after: int,
-            killed_every: str) -> list:
+            killed_every: str, repeats: int) -> list:
     rows = []
-    for every in ("0", "auto"):
-        name = f"{label}-{every}"
-        args = ["--state", f"{states}/{name}", "--output", os.path.join(work, name), *job, "--boundary-every", every]
-        rows.append((name, {**run(code, args, env, os.path.join(work, name + ".log")), **loop(f"{states}/{name}")}))
+    for i in range(repeats):  # interleaved, so that a drift of the machine's speed falls on both designs
+        for every in ("0", "auto"):
+            name = f"{label}-{every}" + (f"-{i + 1}" if repeats > 1 else "")
+            args = ["--state", f"{states}/{name}", "--output", os.path.join(work, name), *job, "--boundary-every",
+                    every]
+            rows.append((name, {**run(code, args, env, os.path.join(work, name + ".log")),
+                                **loop(f"{states}/{name}"), "label": label, "design": every}))
     name = f"{label}-auto-killed"
     args = ["--state", f"{states}/{name}", "--output", os.path.join(work, name), *job, "--boundary-every",
             killed_every]
     run(code, args, env, os.path.join(work, name + ".log"), kill_after=kill_after)
     restarted = {**run(code, args, env, os.path.join(work, name + ".log2")), **loop(f"{states}/{name}")}
     rows.append((name, {**restarted, "split": restart_split(os.path.join(work, name + ".log2"), restarted)}))
-    digests = {tree_digest(os.path.join(work, n)) == tree_digest(os.path.join(work, f"{label}-0"))
-               for n in (f"{label}-auto", name)}
+    digests = {tree_digest(os.path.join(work, n)) == tree_digest(os.path.join(work, rows[0][0]))
+               for n, _ in rows}
     print(f"{label}: checkpoints of 0, auto and the killed run byte-identical: {digests == {True}}")
     return rows
 
@@ -153,9 +158,11 @@ def report(rows: list, mbit: float):
         else:
             print(f"{name:22s} {r['wall']:7.1f}s {r['compute']:9.1f}s {r['waited']:7.1f}s "
                   f"{r['waited'] / r['wall']:7.1%} {r['bytes'] / r['layers'] / 1e6:9.2f} {r['server_cpu']:10.1f}s")
-    walls = {name: r["wall"] for name, r in rows if "split" not in r}
-    for label in sorted({n.rsplit("-", 1)[0] for n in walls}):
-        print(f"{label}: wall auto / wall 0 = {walls[label + '-auto'] / walls[label + '-0']:.3f}")
+    for label in sorted({r["label"] for _, r in rows if "split" not in r}):
+        walls = {d: [r["wall"] for _, r in rows if r.get("label") == label and r.get("design") == d]
+                 for d in ("0", "auto")}
+        print(f"{label}: wall auto / wall 0 = {statistics.median(walls['auto']) / statistics.median(walls['0']):.3f}"
+              + (f" (medians of {len(walls['0'])} interleaved runs each)" if len(walls["0"]) > 1 else ""))
 
 
 @contextlib.contextmanager
@@ -186,6 +193,8 @@ def main():
     p.add_argument("--threads", type=int, help="OMP_NUM_THREADS of the runs (default: torch's, every core); one "
                    "fewer than the cores leaves one to the server, the link and the uploads, as a GPU node has")
     p.add_argument("--previous", help="a git revision to run the same way, in the same invocation")
+    p.add_argument("--repeats", type=int, default=1, help="runs of each design, interleaved; the ratio is of their "
+                   "medians (on a shared machine one pair of runs can differ by 10 %% for the same design)")
     a = p.parse_args()
     from elastic_oneshot.models.default_model import default_model
 
@@ -200,9 +209,9 @@ def main():
         with state_root(a.mbit, work) as (states, env):
             os.environ.update(env)  # this process reads the states' events too
             env |= {"OMP_NUM_THREADS": str(a.threads)} if a.threads else {}
-            rows = designs(ROOT, "current", job, states, env, work, a.kill_after, a.killed_every)
+            rows = designs(ROOT, "current", job, states, env, work, a.kill_after, a.killed_every, a.repeats)
             if a.previous:
-                rows += designs(old, "previous", job, states, env, work, a.kill_after, a.killed_every)
+                rows += designs(old, "previous", job, states, env, work, a.kill_after, a.killed_every, a.repeats)
         report(rows, a.mbit)
     finally:
         if a.previous:
