@@ -15,9 +15,9 @@ fleet's MTBF. Not modeled: attention's score flops, communication between ranks,
 A preemption (no notice) loses the layer in flight, and the one before it while its commit is still being written.
 The surviving nodes notice it, re-rendezvous and resume at one node fewer if MIN allows (else they wait for the
 replacement), from the newest durable boundary, replaying the layers since (each chunk as its download
-arrives); a replacement arrives
-`--replacement-minutes` after each preemption and joins at the end of the layer in flight (a join costs a restart
-and the replay, no lost work). Preemptions are exponential per node; each row is a seeded Monte Carlo.
+arrives); a replacement arrives `--replacement-minutes` after each preemption and joins at the end of the layer
+in flight (a join costs a restart and the replay, no lost work). Preemptions are exponential per node; each row
+is a seeded Monte Carlo.
 
 `--calibrate` (`measure`) replaces the datasheet with this machine, so that predictions can be checked against real
 runs here (bench/fleet_check.py): one layer of the real model is run through the run's own code, and every node and
