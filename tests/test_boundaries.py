@@ -115,6 +115,9 @@ def test_auto_writes_no_boundary_only_to_measure_the_link(tmp_path):
     assert [n for n in range(1, 40) if b.due(n)][:1] == [auto_interval(5.0, 1.5, 0.5, DEFAULT_MTBF_S)] == [11]
     b.settle([{**report, "write_s": 8.0}])  # a boundary write measured: its own time, not the estimate
     assert [n for n in range(1, 40) if b.due(n)][:1] == [auto_interval(8.0, 1.5, 0.5, DEFAULT_MTBF_S)] == [17]
+    b.mtbf_s = 1.0  # Young and Daly alone would write every few layers
+    b.settle([{**report, "write_s": 31.0}])  # 21 layers apart at least, but none durable in time from layer 20 on
+    assert not any(b.due(n) for n in range(1, 40))
 
 
 def test_a_write_in_flight_stops_when_the_job_is_done(tmp_path):

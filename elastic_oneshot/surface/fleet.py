@@ -277,11 +277,14 @@ def _makespan(groups: tuple, ranks: int, acc: Accelerator | None) -> float:
     return _PLANS[key]
 
 
+def _busiest_chunks(fleet: Fleet, nodes: int) -> int:
+    """The chunks of the busiest rank at `nodes` nodes: ranks take whole chunks of samples."""
+    return math.ceil(math.ceil(fleet.samples / CHUNK_SIZE) / (nodes * fleet.gpus_per_node))
+
+
 def layer_seconds(work: LayerWork, fleet: Fleet, nodes: int) -> dict[str, float]:
     """One layer's phases at `nodes` nodes, in seconds; `commit` is written behind the next layer."""
-    acc, ranks = fleet.acc, nodes * fleet.gpus_per_node
-    chunks = math.ceil(fleet.samples / CHUNK_SIZE)
-    mine = math.ceil(chunks / ranks)  # chunks on the busiest rank
+    acc, ranks, mine = fleet.acc, nodes * fleet.gpus_per_node, _busiest_chunks(fleet, nodes)
     tokens = min(fleet.samples, mine * CHUNK_SIZE) * fleet.seq_len
     if fleet.measured:
         return _measured_seconds(work, fleet, ranks, tokens)
@@ -338,8 +341,7 @@ def timeline(model: ModelWork, fleet: Fleet, nodes: int, resume: bool = True) ->
     interval = [auto_interval(write_s, c, p["propagate"], mtbf) for c, p in zip(compute, phases)]
     total = sum(w.compressed_bytes for w in model.layers)
     return Timeline(_prefix(durations), commit, _prefix([p["load"] + p["propagate"] for p in phases]), interval,
-                    write_s, math.ceil(math.ceil(fleet.samples / CHUNK_SIZE) / (nodes * fleet.gpus_per_node)),
-                    commit[-1] + 2 * total / fleet.storage, fleet.startup_s)
+                    write_s, _busiest_chunks(fleet, nodes), commit[-1] + 2 * total / fleet.storage, fleet.startup_s)
 
 
 def _restore(tl: Timeline, boundary: int, done: int) -> float:
