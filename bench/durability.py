@@ -20,7 +20,7 @@ the CPU seconds the server spent (on this machine it takes them from the run's t
 is elsewhere); then a run killed with SIGKILL after --kill-after commits and restarted (with boundaries every
 --killed-every layers, so that restarts replay the same layers from run to run): the seconds
 from the restart to its first new commit and how they split (to the epoch, verification included; the replay,
-and how long of it waited for the boundary, which is read ahead from the epoch's start; the layers until the
+and how long of it waited for the boundary, which is read ahead from the process's start; the layers until the
 commit, two with commits written behind).
 """
 
@@ -116,7 +116,7 @@ def restart_split(log: str, r: dict) -> str:
     verify = float((re.search(r"committed layers verified in ([\d.]+) s", text) or [0, 0])[1])
     return (f"{r['first_commit'] - r['launched']:.1f} s: to the epoch {r['started'] - r['launched']:.2f} s "
             f"(verification {verify:.2f} s), replay of layers {span} {replayed:.2f} s ({waited:.2f} s of it waiting "
-            f"for the boundary, read ahead from the epoch's start), the layers until the commit "
+            f"for the boundary, read ahead from the process's start), the layers until the commit "
             f"{r['first_commit'] - r['started'] - replayed:.2f} s")
 
 

@@ -17,7 +17,11 @@ import pytest
 
 from elastic_oneshot import oneshot
 from elastic_oneshot.durability.protocol import CommitProtocol
+from elastic_oneshot.durability.records import open_records
 from elastic_oneshot.durability.state import StateStore, read_events
+from elastic_oneshot.durability.storage import LocalStorage
+from elastic_oneshot.errors import CorruptStateError
+from elastic_oneshot.loop import read_ahead
 from elastic_oneshot.loop.inputs import LayerInputs
 from elastic_oneshot.loop.runner import COMMITS_BEHIND
 from elastic_oneshot.testing.runs import run_cli, tree_digest
@@ -237,6 +241,54 @@ def test_a_restart_reads_its_boundary_ahead_while_the_epoch_is_set_up(deep_llama
     assert solved and len(solved) == len({path for path, _ in solved})
     assert max(at for _, at in solved) < min(at for _, at in chunks)
     assert tree_digest(out) == reference
+
+
+def test_a_restarted_process_reads_ahead_what_it_replays(deep_llama, reference, tmp_path, monkeypatch, caplog):
+    """From the records alone, before the job is set up, a restarting process guesses what it replays first (the
+    weights of the layers after the boundary, then its own chunks of the boundary) and reads it ahead, while it
+    imports: the run takes those bytes, each file read once, and gives the same bits."""
+    out, state = str(tmp_path / "out"), str(tmp_path / "state")
+    oneshot(model=deep_llama, output_dir=out, state_dir=state, boundary_every=3, **JOB)
+    os.remove(os.path.join(state, "commits/00007.e00001.json"))
+    shutil.rmtree(out)
+    store = StateStore(state)
+    records = open_records(store)
+    protocol = CommitProtocol(store, records, records.committed())
+    manifest, [(boundary, chunks), *_] = records.manifest(6, 1), protocol.durable(7)
+    assert boundary == 6
+    assert protocol.first_reads([3, 4, 5]) == manifest["weights"] + [chunks[str(c)] for c in (3, 4, 5)]  # rank 1 of 2
+    reads, get = [], LocalStorage.get
+
+    def recorded(self, rel, size=None):
+        reads.append((rel, threading.current_thread().name))
+        return get(self, rel, size)
+
+    monkeypatch.setattr(LocalStorage, "get", recorded)
+    with caplog.at_level(logging.INFO, logger="elastic_oneshot"):
+        read_ahead.start(state).join()
+        oneshot(model=deep_llama, output_dir=out, state_dir=state, boundary_every=3, **JOB)
+    assert f"reading ahead {len(manifest['weights']) + 6} files" in caplog.text
+    ahead = [r["path"] for r in manifest["weights"]] + [chunks[str(c)]["path"] for c in range(6)]
+    assert sorted(rel for rel, thread in reads if thread == "read-ahead" and rel.endswith(".safetensors")) == \
+        sorted(ahead)
+    assert not [rel for rel, thread in reads if rel.startswith("boundaries/00006/") and thread != "read-ahead"]
+    assert tree_digest(out) == reference
+
+
+def test_bytes_read_ahead_that_no_longer_match_are_read_again(tmp_path):
+    """A file read ahead and changed since (a guess from an earlier run in the same process) is read again, not
+    reported damaged; what was never used is dropped."""
+    store = StateStore(str(tmp_path / "state"))
+    store.storage.make_root()
+    old, unused = store.write_bytes("a.bin", b"old bytes"), store.write_bytes("b.bin", b"unused")
+    store.read_ahead([old, unused])
+    time.sleep(0.2)
+    new = store.write_bytes("a.bin", b"new bytes!")
+    store.write_bytes("b.bin", b"changed")
+    assert StateStore(store.root).read_bytes(new) == b"new bytes!"
+    store.forget_read_ahead()
+    with pytest.raises(CorruptStateError, match="b.bin"):  # read now, not taken from what was read ahead
+        store.read_bytes(unused)
 
 
 @pytest.mark.slow

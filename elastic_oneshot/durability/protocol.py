@@ -122,6 +122,30 @@ class CommitProtocol:
                 found[entry["layer"]] = entry["chunks"]
         return sorted(found.items(), reverse=True)
 
+    def first_reads(self, own: list[int]) -> list[dict]:
+        """The files a restart on `view` reads first, in order: the weight files of the layers it replays, then
+        chunks `own` of the boundary it replays from; none once every layer is done. A guess made before
+        verification, for reading ahead (state.read_ahead): whatever it names is checked when it is used."""
+        manifests = {}
+        for layer, epoch in self.view.items():
+            try:
+                manifests[layer] = self.records.manifest(layer, epoch)
+            except CorruptStateError:
+                manifests[layer] = None
+        valid = {layer: epoch for layer, epoch in self.view.items() if manifests[layer]}
+        num_layers = self.state.job()["num_layers"]
+        todo = next(layer for layer in range(num_layers + 1) if layer not in valid)
+        if todo == num_layers:
+            return []
+        replayed = _replayed(valid, manifests)
+        files = [record for layer in replayed for record in manifests[layer]["weights"]]
+        boundaries = {m["boundary"]["layer"]: m["boundary"]["chunks"] for m in map(manifests.get, sorted(valid))
+                      if m.get("boundary") and m["boundary"]["layer"] <= todo}
+        if boundaries:
+            chunks = boundaries[max(boundaries)]
+            files += [chunks[str(c)] for c in own if str(c) in chunks]
+        return files
+
     # -- writing ------------------------------------------------------------------------------------
     def begin_epoch(self, committed: dict[int, int]) -> int:
         """Fence a new epoch that builds on `committed` (StaleEpochError if another process began it first)."""

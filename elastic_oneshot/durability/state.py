@@ -34,6 +34,8 @@ whoever needs the records opens them (records.open_records) and passes what they
 
 import hashlib
 import json
+import threading
+from concurrent.futures import Future
 
 import torch
 import xxhash
@@ -42,9 +44,10 @@ from safetensors.torch import save as st_save
 
 from elastic_oneshot import metrics
 from elastic_oneshot.durability.storage import DEBRIS, RETRY_S, open_storage
-from elastic_oneshot.errors import CorruptStateError, UsageError
+from elastic_oneshot.errors import CorruptStateError, StorageError, UsageError
 
 FORMAT = 2  # 2: boundaries behind the commits, xxh3-128 file digests
+_AHEAD: dict[str, dict[str, Future]] = {}  # root -> path -> its bytes being read ahead, for any StateStore of root
 
 
 def digest(data: bytes) -> str:
@@ -55,6 +58,11 @@ def digest(data: bytes) -> str:
 def canonical_json(obj) -> bytes:
     """The one byte form of a record, for checksums and etcd values: keys sorted, no spaces."""
     return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+
+
+def default_root(output_dir: str) -> str:
+    """Where a job's state lives unless told: beside its output."""
+    return f"{output_dir.rstrip('/')}.state"
 
 
 def read_events(root: str) -> list[dict]:
@@ -84,8 +92,38 @@ class StateStore:
         metrics.bytes_written(self.root, len(data))
         return {"path": rel, "size": len(data), "xxh3_128": digest(data)}
 
+    def read_ahead(self, records: list[dict]):
+        """Start reading these files, in this order, on a thread of their own: any StateStore of this root that
+        reads one later takes its bytes from there, checked as any read (and read again if they do not check), until
+        `forget_read_ahead`. A restart's first reads begin this way while the process is still starting."""
+        futures = _AHEAD[self.root] = {r["path"]: Future() for r in records}
+
+        def read():  # a daemon thread: a process that ends early does not wait for reads it no longer needs
+            for r in records:
+                if futures[r["path"]].set_running_or_notify_cancel():
+                    try:
+                        futures[r["path"]].set_result(self.storage.get(r["path"], r["size"]))
+                    except Exception as e:
+                        futures[r["path"]].set_exception(e)
+
+        threading.Thread(target=read, name="read-ahead", daemon=True).start()
+
+    def forget_read_ahead(self):
+        """Drop the files read ahead and not read since (a guess that verification proved wrong)."""
+        for future in _AHEAD.pop(self.root, {}).values():
+            future.cancel()
+
     def read_bytes(self, record: dict) -> bytes:
-        data = self.storage.get(record["path"], record["size"])
+        """The bytes of the file `record` names, checked against its size and digest (CorruptStateError)."""
+        ahead = _AHEAD.get(self.root, {}).pop(record["path"], None)
+        if ahead is not None:
+            try:
+                return self._checked(record, ahead.result())
+            except (CorruptStateError, StorageError, OSError):  # read ahead of a change, or failed: read it now
+                pass
+        return self._checked(record, self.storage.get(record["path"], record["size"]))
+
+    def _checked(self, record: dict, data: bytes | None) -> bytes:
         if data is None:
             raise CorruptStateError(f"{record['path']} is missing")
         metrics.bytes_read(self.root, len(data))

@@ -181,6 +181,7 @@ class LayerInputs:
             log.info("replayed layers %d..%d for %d chunks in %.1f s (%.1f s of it waiting for the inputs of "
                      "layer %d)", start, layer - 1, len(self.own), time.perf_counter() - began, waited[0], start)
         self.keep(layer, held)
+        self.state.forget_read_ahead()  # what the process read ahead of its epoch and this restore did not use
 
     def _replay(self, start: int, layer: int, held: dict) -> dict[int, torch.Tensor]:
         """The inputs of `layer` from those of `start`, given as a callable per chunk (that may wait for them).

@@ -8,7 +8,8 @@ is committed while layer L+1 computes (rank 0 records L's weight files once ever
 the newest boundary whose every chunk is: boundaries are written behind too), so the loop waits for the
 link only when it is slower than the computation. A kill loses the layer in flight and at most
 COMMITS_BEHIND computed ones; a SIGTERM waits for those. The boundary a restart replays from is read ahead while
-the epoch is set up: a restart's cost is bounded by its download.
+the epoch is set up (from the process's start, where the command line began it: read_ahead.py): a restart's cost is
+bounded by its download.
 """
 
 import contextlib

@@ -14,7 +14,7 @@ from elastic_oneshot.distributed.world import World
 from elastic_oneshot.durability.boundaries import parse_every
 from elastic_oneshot.durability.destination import Destination, open_destination
 from elastic_oneshot.durability.records import Records, open_records
-from elastic_oneshot.durability.state import StateStore
+from elastic_oneshot.durability.state import StateStore, default_root
 from elastic_oneshot.errors import CorruptStateError, StaleEpochError, UsageError
 from elastic_oneshot.loop.data import calibration_samples
 from elastic_oneshot.loop.job import Job, job_record
@@ -65,7 +65,7 @@ def oneshot(model: str | None = None, dataset: str = "builtin", scheme: str = "W
                      trust_remote_code=trust_remote_code_model, attention=attention,
                      moe_calibrate="all" if moe_calibrate_all_experts else "routed"))
     output_dir = output_dir or f"{os.path.basename(job.model.rstrip('/'))}-{recipe.scheme}"
-    state_dir = state_dir or f"{output_dir.rstrip('/')}.state"
+    state_dir = state_dir or default_root(output_dir)
     destination = open_destination(output_dir)
     job, state, records, source, record, schemes = _open(job, state_dir, destination, coordinator,
                                                          allow_long_seq, collective_timeout)

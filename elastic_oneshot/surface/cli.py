@@ -230,8 +230,14 @@ def _plan(args):
 
 def _command(args):
     if args.command == "run":
+        from elastic_oneshot.durability.state import default_root
+        from elastic_oneshot.loop import read_ahead  # with torch; the rest imports while a restart's reads begin
+
+        ahead = read_ahead.start(args.state or (args.output and default_root(args.output)), args.restart)
         from elastic_oneshot.surface.api import oneshot
 
+        if ahead.is_alive():
+            ahead.join()
         oneshot(model=args.model, dataset=args.dataset, scheme=args.scheme,
                 num_calibration_samples=args.num_samples, max_seq_length=args.seq_len,
                 output_dir=args.output, state_dir=args.state, seed=args.seed,
