@@ -5,6 +5,7 @@
     python bench/durability.py --previous 1fee0e0   # the same runs of another revision, in the same invocation
     python bench/durability.py --threads 1          # compute on one core, the other left to the server and link
     python bench/durability.py --repeats 3          # each design three times, interleaved: the ratio of medians
+    python bench/durability.py --repeats 0          # only the kill -9 and the restart
 
 The server (moto) runs in a network namespace of its own, reached over a veth pair shaped by `tc tbf` in both
 directions (elastic_oneshot/testing/netns.py; created and removed here), so concurrent uploads share the link as
@@ -128,6 +129,7 @@ def tree_digest(root: str) -> dict:
 
 def designs(code: str, label: str, job: list[str], states: str, env: dict, work: str, kill_after: int,
             killed_every: str, repeats: int) -> list:
+    """Each design's runs (none with `repeats` 0), then the killed run and its restart."""
     rows = []
     for i in range(repeats):  # interleaved, so that a drift of the machine's speed falls on both designs
         for every in ("0", "auto"):
@@ -142,16 +144,18 @@ def designs(code: str, label: str, job: list[str], states: str, env: dict, work:
     run(code, args, env, os.path.join(work, name + ".log"), kill_after=kill_after)
     restarted = {**run(code, args, env, os.path.join(work, name + ".log2")), **loop(f"{states}/{name}")}
     rows.append((name, {**restarted, "split": restart_split(os.path.join(work, name + ".log2"), restarted)}))
-    digests = {tree_digest(os.path.join(work, n)) == tree_digest(os.path.join(work, rows[0][0]))
-               for n, _ in rows}
-    print(f"{label}: checkpoints of 0, auto and the killed run byte-identical: {digests == {True}}")
+    if repeats:
+        digests = {tree_digest(os.path.join(work, n)) == tree_digest(os.path.join(work, rows[0][0]))
+                   for n, _ in rows}
+        print(f"{label}: checkpoints of 0, auto and the killed run byte-identical: {digests == {True}}")
     return rows
 
 
 def report(rows: list, mbit: float):
     print(f"\nthe state behind a {mbit:g} Mbit/s link ({mbit / 8:.2f} MB/s) each way")
-    print(f"{'design':22s} {'wall':>8s} {'computing':>10s} {'waited':>8s} {'share':>7s} {'MB/layer':>9s} "
-          f"{'server CPU':>11s}")
+    if any("split" not in r for _, r in rows):
+        print(f"{'design':22s} {'wall':>8s} {'computing':>10s} {'waited':>8s} {'share':>7s} {'MB/layer':>9s} "
+              f"{'server CPU':>11s}")
     for name, r in rows:
         if "split" in r:
             print(f"{name}: from the restart's launch to its first new commit {r['split']}")
@@ -194,7 +198,8 @@ def main():
                    "fewer than the cores leaves one to the server, the link and the uploads, as a GPU node has")
     p.add_argument("--previous", help="a git revision to run the same way, in the same invocation")
     p.add_argument("--repeats", type=int, default=1, help="runs of each design, interleaved; the ratio is of their "
-                   "medians (on a shared machine one pair of runs can differ by 10 %% for the same design)")
+                   "medians (on a shared machine one pair of runs can differ by 10 %% for the same design); 0: only "
+                   "the killed run and its restart")
     a = p.parse_args()
     from elastic_oneshot.models.default_model import default_model
 

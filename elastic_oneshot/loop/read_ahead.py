@@ -25,7 +25,8 @@ def start(state_dir: str | None, restart: bool = False) -> threading.Thread:
     (nothing with `restart`, which starts over); join the thread before the run opens the state, so that the
     guess is in place before the run's first read."""
     world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    thread = threading.Thread(target=_read_ahead, args=(state_dir, world_size, rank), name="read-ahead", daemon=True)
+    thread = threading.Thread(target=_read_ahead, args=(state_dir, world_size, rank), name="restart-reads",
+                              daemon=True)
     if state_dir and not restart:
         thread.start()
     return thread
