@@ -246,7 +246,8 @@ def test_a_restart_reads_its_boundary_ahead_while_the_epoch_is_set_up(deep_llama
 def test_a_restarted_process_reads_ahead_what_it_replays(deep_llama, reference, tmp_path, monkeypatch, caplog):
     """From the records alone, before the job is set up, a restarting process guesses what it replays first (the
     weights of the layers after the boundary, then its own chunks of the boundary) and reads it ahead, while it
-    imports: the run takes those bytes, each file read once, and gives the same bits."""
+    imports: the run takes those bytes, each file read once, and gives the same bits. The run itself reads each
+    commit once (on an object store, a restart read every commit several times over, one request at a time)."""
     out, state = str(tmp_path / "out"), str(tmp_path / "state")
     oneshot(model=deep_llama, output_dir=out, state_dir=state, boundary_every=3, **JOB)
     os.remove(os.path.join(state, "commits/00007.e00001.json"))
@@ -271,6 +272,8 @@ def test_a_restarted_process_reads_ahead_what_it_replays(deep_llama, reference, 
     ahead = [r["path"] for r in manifest["weights"]] + [chunks[str(c)]["path"] for c in range(6)]
     assert sorted(rel for rel, thread in reads if thread == "read-ahead") == sorted(ahead)
     assert not [rel for rel, thread in reads if rel.startswith("boundaries/00006/") and thread != "read-ahead"]
+    commits = [rel for rel, thread in reads if rel.startswith("commits/") and thread != "restart-reads"]
+    assert len(commits) == len(set(commits)) == 8  # each commit read once, however often the run needs it
     assert tree_digest(out) == reference
 
 

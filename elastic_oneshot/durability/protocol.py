@@ -14,6 +14,7 @@ progress here.
 """
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from safetensors.torch import load as st_load
@@ -35,6 +36,7 @@ class CommitProtocol:
         self.view: dict[int, int] = {} if view is None else view
         self._read: dict[str, bytes] = {}  # files read back by `verified` or `solved`, until `read_tensors` uses them
         self._damaged: dict[tuple[int, int], str] = {}  # (layer, epoch) -> why `tensors` found its commit unreadable
+        self._commits: dict[tuple[int, int], dict] = {}  # (layer, epoch) -> its commit, as read (`_commit`)
 
     # -- reading ------------------------------------------------------------------------------------
     def verified(self) -> dict[int, int]:
@@ -43,15 +45,22 @@ class CommitProtocol:
         would cost the compressed model so far, so only the layers a restart replays are read against their digests
         too, and kept for `tensors` (the replay's); none if every layer is committed (the export reads them all, one
         at a time)."""
-        valid, manifests, listed, self._read = {}, {}, {}, {}
-        for layer, epoch in sorted(self.records.committed().items()):
+        self._read, listed = {}, {}
+
+        def checked(item: tuple[int, int]) -> tuple[int, int, dict | None]:
+            layer, epoch = item
             try:
                 if (layer, epoch) in self._damaged:
                     raise CorruptStateError(self._damaged[layer, epoch])
-                manifests[layer] = self._verify(self.records.manifest(layer, epoch), layer, epoch, listed)
-                valid[layer] = epoch
+                return layer, epoch, self._verify(self._commit(layer, epoch), layer, epoch, listed)
             except CorruptStateError as e:
                 log.warning("layer %d will be redone: %s", layer, e)
+                return layer, epoch, None
+
+        with ThreadPoolExecutor(16) as pool:  # a request or two a layer: on an object store, latency adds up
+            found = list(pool.map(checked, sorted(self.records.committed().items())))
+        manifests = {layer: manifest for layer, _, manifest in found if manifest is not None}
+        valid = {layer: epoch for layer, epoch, manifest in found if manifest is not None}
         checked = set(valid) if len(valid) == self.state.job()["num_layers"] else set()  # then none is replayed
         while todo := [layer for layer in _replayed(valid, manifests) if layer not in checked]:
             for layer in todo:
@@ -65,7 +74,17 @@ class CommitProtocol:
 
     def manifest(self, layer: int) -> dict:
         """The commit of a layer in `view`."""
-        return self.records.manifest(layer, self.view[layer])
+        return self._commit(layer, self.view[layer])
+
+    def _commit(self, layer: int, epoch: int) -> dict | None:
+        """The records' commit of `layer` in `epoch`, None if absent; read once, since a commit never changes once
+        created (a restart on an object store would otherwise read every commit several times over)."""
+        if (layer, epoch) not in self._commits:
+            manifest = self.records.manifest(layer, epoch)
+            if manifest is None:
+                return None
+            self._commits[layer, epoch] = manifest
+        return self._commits[layer, epoch]
 
     def tensors(self, layer: int) -> dict[str, torch.Tensor]:
         """The compressed tensors of a layer in `view`: from the bytes `verified` read back (once), else read now
@@ -73,7 +92,7 @@ class CommitProtocol:
         layer is then damaged, and the next `verified` leaves it out."""
         epoch, out = self.view[layer], {}
         try:
-            manifest = self.records.manifest(layer, epoch)
+            manifest = self._commit(layer, epoch)
             if manifest is None:
                 raise CorruptStateError(f"the commit of layer {layer} in epoch {epoch} is missing")
             for record in manifest["weights"]:
@@ -129,7 +148,7 @@ class CommitProtocol:
         manifests = {}
         for layer, epoch in self.view.items():
             try:
-                manifests[layer] = self.records.manifest(layer, epoch)
+                manifests[layer] = self._commit(layer, epoch)
             except CorruptStateError:
                 manifests[layer] = None
         valid = {layer: epoch for layer, epoch in self.view.items() if manifests[layer]}
