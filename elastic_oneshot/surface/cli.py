@@ -1,4 +1,5 @@
-"""Command line: arguments only; everything else lives behind `api.oneshot`."""
+"""Command line: arguments only; everything else lives behind `api.oneshot` (a restart's reads begin here, before
+it is imported: read_ahead.py)."""
 
 import argparse
 import errno
