@@ -35,7 +35,7 @@ whoever needs the records opens them (records.open_records) and passes what they
 import hashlib
 import json
 import threading
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 
 import torch
 import xxhash
@@ -119,7 +119,7 @@ class StateStore:
         if ahead is not None:
             try:
                 return self._checked(record, ahead.result())
-            except (CorruptStateError, StorageError, OSError):  # read ahead of a change, or failed: read it now
+            except (CorruptStateError, StorageError, OSError, CancelledError):  # stale, failed or dropped: read now
                 pass
         return self._checked(record, self.storage.get(record["path"], record["size"]))
 

@@ -25,14 +25,15 @@ def start(state_dir: str | None, restart: bool = False) -> threading.Thread:
     (nothing with `restart`, which starts over); join the thread before the run opens the state, so that the
     guess is in place before the run's first read."""
     world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    thread = threading.Thread(target=_read_ahead, args=(state_dir, world_size, rank), name="restart-reads",
-                              daemon=True)
-    if state_dir and not restart:
-        thread.start()
+    thread = threading.Thread(target=_read_ahead, args=(None if restart else state_dir, world_size, rank),
+                              name="restart-reads", daemon=True)
+    thread.start()
     return thread
 
 
-def _read_ahead(state_dir: str, world_size: int, rank: int):
+def _read_ahead(state_dir: str | None, world_size: int, rank: int):
+    if not state_dir:
+        return
     try:
         state = StateStore(state_dir, retry_s=1.0)
         job = state.read_json("job.json")

@@ -237,8 +237,7 @@ def _command(args):
         ahead = read_ahead.start(args.state or (args.output and default_root(args.output)), args.restart)
         from elastic_oneshot.surface.api import oneshot
 
-        if ahead.is_alive():
-            ahead.join()
+        ahead.join()
         oneshot(model=args.model, dataset=args.dataset, scheme=args.scheme,
                 num_calibration_samples=args.num_samples, max_seq_length=args.seq_len,
                 output_dir=args.output, state_dir=args.state, seed=args.seed,
