@@ -174,7 +174,8 @@ def test_commits_land_in_layer_order_while_the_next_layer_computes(deep_llama, r
     assert commits == list(range(8))
     order = [(e["event"], e["layer"]) for e in events]
     assert order.index(("layer", 3)) < order.index(("commit", 2)) < order.index(("commit", 3))
-    assert [e["seconds"]["commit"] > 0.5 for e in events if e["event"] == "commit"] == [i == 2 for i in range(8)]
+    waits = [e["seconds"]["commit"] for e in events if e["event"] == "commit"]  # a second per solved group of 2
+    assert waits[2] > 1.0 and max(range(8), key=waits.__getitem__) == 2  # others wait for a disk, not for layer 2
     assert tree_digest(str(tmp_path / "out")) == reference
 
 
