@@ -156,12 +156,8 @@ class CommitProtocol:
         todo = next(layer for layer in range(num_layers + 1) if layer not in valid)
         if todo == num_layers:
             return []
-        replayed = _replayed(valid, manifests)
-        files = [record for layer in replayed for record in manifests[layer]["weights"]]
-        boundaries = {m["boundary"]["layer"]: m["boundary"]["chunks"] for m in map(manifests.get, sorted(valid))
-                      if m.get("boundary") and m["boundary"]["layer"] <= todo}
-        if boundaries:
-            chunks = boundaries[max(boundaries)]
+        files = [record for layer in _replayed(valid, manifests) for record in manifests[layer]["weights"]]
+        for _, chunks in self.durable(todo)[:1]:
             files += [chunks[str(c)] for c in own if str(c) in chunks]
         return files
 
