@@ -278,6 +278,14 @@ def test_a_restarted_process_reads_ahead_what_it_replays(deep_llama, reference, 
     assert tree_digest(out) == reference
 
 
+def test_a_restart_reads_ahead_before_it_imports_torch():
+    """The command line begins a restart's reads before it imports torch, which takes about a second of the link's
+    time: the read-ahead's modules import none of torch, transformers or compressed-tensors."""
+    code = ("import sys; from elastic_oneshot.loop import read_ahead; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers', 'compressed_tensors'}))")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "[]\n"
+
+
 def test_bytes_read_ahead_that_no_longer_match_are_read_again(tmp_path):
     """A file read ahead and changed since (a guess from an earlier run in the same process) is read again, not
     reported damaged; what was never used is dropped."""

@@ -13,15 +13,18 @@ replays from the newest durable boundary at or below the layer it needs. The run
 progress here.
 """
 
+from __future__ import annotations
+
 import logging
 from concurrent.futures import ThreadPoolExecutor
-
-import torch
-from safetensors.torch import load as st_load
+from typing import TYPE_CHECKING
 
 from elastic_oneshot.durability.records import Records
-from elastic_oneshot.durability.state import StateStore
+from elastic_oneshot.durability.state import StateStore, load_tensors
 from elastic_oneshot.errors import CorruptStateError
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("elastic_oneshot")
 
@@ -106,7 +109,7 @@ class CommitProtocol:
         """The tensors of a weight file: from the bytes `verified` or `solved` read back (used once), else read
         now against its digest (CorruptStateError)."""
         data = self._read.pop(record["path"], None)
-        return self.state.read_tensors(record) if data is None else st_load(data)
+        return self.state.read_tensors(record) if data is None else load_tensors(data)
 
     def _verify(self, manifest: dict | None, layer: int, epoch: int, listed: dict, deep: bool = False) -> dict:
         """`manifest`, the records' commit of `layer` in `epoch`, if it exists and its weight files check out:

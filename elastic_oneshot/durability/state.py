@@ -32,19 +32,22 @@ whoever needs the records opens them (records.open_records) and passes what they
 (solved groups, their fences, commits, verification, pruning) is the commit protocol's (protocol.py).
 """
 
+from __future__ import annotations
+
 import hashlib
 import json
 import threading
 from concurrent.futures import CancelledError, Future
+from typing import TYPE_CHECKING
 
-import torch
 import xxhash
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
 from elastic_oneshot import metrics
 from elastic_oneshot.durability.storage import DEBRIS, RETRY_S, open_storage
 from elastic_oneshot.errors import CorruptStateError, StorageError, UsageError
+
+if TYPE_CHECKING:
+    import torch
 
 FORMAT = 2  # 2: boundaries behind the commits, xxh3-128 file digests
 _AHEAD: dict[str, dict[str, Future]] = {}  # root -> path -> its bytes being read ahead, for any StateStore of root
@@ -53,6 +56,19 @@ _AHEAD: dict[str, dict[str, Future]] = {}  # root -> path -> its bytes being rea
 def digest(data: bytes) -> str:
     """The digest of a file's bytes, as its record keeps it."""
     return xxhash.xxh3_128_hexdigest(data)
+
+
+def save_tensors(tensors: dict[str, torch.Tensor]) -> bytes:
+    """A safetensors file's bytes. Torch is imported on first use: a restart reads ahead before it (read_ahead.py)."""
+    from safetensors.torch import save
+
+    return save({k: v.contiguous() for k, v in tensors.items()})
+
+
+def load_tensors(data: bytes) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load
+
+    return load(data)
 
 
 def canonical_json(obj) -> bytes:
@@ -134,10 +150,10 @@ class StateStore:
         return data
 
     def write_tensors(self, rel: str, tensors: dict[str, torch.Tensor]) -> dict:
-        return self.write_bytes(rel, st_save({k: v.contiguous() for k, v in tensors.items()}))
+        return self.write_bytes(rel, save_tensors(tensors))
 
     def read_tensors(self, record: dict) -> dict[str, torch.Tensor]:
-        return st_load(self.read_bytes(record))
+        return load_tensors(self.read_bytes(record))
 
     def write_json(self, rel: str, body: dict, exclusive: bool = False):
         """A JSON record that carries its own checksum, so a truncated or edited one is detected."""
@@ -211,7 +227,7 @@ class StateStore:
 
     def restore_tokens(self, tokens: torch.Tensor):
         """Write the calibration samples again, if they are byte for byte those that job.json records."""
-        data = st_save({"input_ids": tokens.contiguous()})
+        data = save_tensors({"input_ids": tokens})
         record = self.job()["tokens"]
         if len(data) != record["size"] or digest(data) != record["xxh3_128"]:
             raise UsageError(f"{record['path']} in {self.root} is lost or damaged, and the dataset now yields other "

@@ -6,14 +6,18 @@ but the job. Every tenth block is held out for evaluation; the calibration sampl
 rest with a seeded generator.
 """
 
+from __future__ import annotations
+
 import ast
 import json
 import os
 import sysconfig
-
-import torch
+from typing import TYPE_CHECKING
 
 from elastic_oneshot.errors import UsageError
+
+if TYPE_CHECKING:  # imported where used: a restart partitions its chunks before torch is imported (read_ahead.py)
+    import torch
 
 HOLDOUT_EVERY = 10  # block i is held out for evaluation when i % HOLDOUT_EVERY == HOLDOUT_EVERY - 1
 POOL_FACTOR = 4  # read until the calibration pool holds this many times the samples asked for
@@ -151,6 +155,8 @@ def token_blocks(spec, tokenizer, seq_len: int, text_column: str, want_calib: in
             (holdout if n_blocks % HOLDOUT_EVERY == HOLDOUT_EVERY - 1 else pool).append(block)
             n_blocks += 1
 
+    import torch
+
     def as_tensor(blocks):
         return torch.tensor(blocks, dtype=torch.int64).reshape(-1, seq_len)
     return as_tensor(pool), as_tensor(holdout[:want_holdout])
@@ -164,6 +170,8 @@ def calibration_samples(spec, tokenizer, num_samples: int, seq_len: int, seed: i
         raise UsageError(f"dataset {spec} yields only {len(pool)} usable samples of {seq_len} tokens "
                          f"(every {HOLDOUT_EVERY}th held out); asked for {num_samples}: lower "
                          "--num-samples or --seq-len, or use more text")
+    import torch
+
     order = torch.randperm(len(pool), generator=torch.Generator().manual_seed(seed))
     return pool[order[:num_samples].sort().values]
 

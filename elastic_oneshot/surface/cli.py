@@ -232,7 +232,7 @@ def _plan(args):
 def _command(args):
     if args.command == "run":
         from elastic_oneshot.durability.state import default_root
-        from elastic_oneshot.loop import read_ahead  # with torch; the rest imports while a restart's reads begin
+        from elastic_oneshot.loop import read_ahead  # no torch: the rest imports while a restart's reads begin
 
         ahead = read_ahead.start(args.state or (args.output and default_root(args.output)), args.restart)
         from elastic_oneshot.surface.api import oneshot
