@@ -15,8 +15,7 @@ restarted) and `lose_quorum` (two members cut off for QUORUM_LOSS_S).
 
 At the end it checks that every layer was committed at most once per epoch, that progress never went backwards,
 that no commit counted was made after a newer epoch began, and that the checkpoint equals an uninterrupted run's
-(byte-identical when the world size never changed, else at least 99.9% of int codes and perplexity within 0.1%),
-then prints figures per fault kind.
+(byte for byte, at whatever world sizes it ran), then prints figures per fault kind.
 
     python launch/chaos.py --model DIR --nodes 2 --max-nodes 3 --faults 10 --seed 0 --report -- --num-samples 48
     python launch/chaos.py --model DIR --backend etcd3 --coordinator --kinds restart_etcd,kill_node,add_node ...
@@ -388,7 +387,7 @@ def feasible(cluster: Cluster, kinds) -> list[str]:
 
 
 # -- invariants -------------------------------------------------------------------------------------
-def check_invariants(cluster: Cluster, corrupted_layers: set[int], reference: str, reference_world: int) -> list[str]:
+def check_invariants(cluster: Cluster, corrupted_layers: set[int], reference: str) -> list[str]:
     failures = []
     events = cluster.events()
     seen = set()
@@ -415,13 +414,10 @@ def check_invariants(cluster: Cluster, corrupted_layers: set[int], reference: st
     layers = store.job()["num_layers"]
     if sorted(committed) != list(range(layers)):
         failures.append(f"final state lacks layers {sorted(set(range(layers)) - set(committed))}")
-    worlds = {e["world_size"] for e in events if e["event"] == "start"}
     same = compare(cluster.output, reference)
-    if worlds == {reference_world}:
-        if same["bytes"] is not True:
-            failures.append("world size never changed, but the checkpoint is not byte-identical")
-    elif same["codes"] < 0.999 or abs(same["ppl_ratio"] - 1) > 0.001:
-        failures.append(f"checkpoint differs: {same['codes']:.4%} codes identical, perplexity x{same['ppl_ratio']:.5f}")
+    if same["bytes"] is not True:  # at any world size, and whatever the faults, the bits are the same
+        failures.append(f"the checkpoint is not the uninterrupted run's, byte for byte: {same['codes']:.4%} codes "
+                        f"identical, perplexity x{same['ppl_ratio']:.5f}")
     return failures
 
 
@@ -639,7 +635,7 @@ def main(argv=None) -> int:
         if stuck:
             print(f"the job did not finish: {stuck} (node logs: {a.workdir})")
             return 1
-        failures = check_invariants(cluster, corrupted, reference, a.nodes)
+        failures = check_invariants(cluster, corrupted, reference)
         events = cluster.events()
     print(table(figures(faults, events), events))
     rec = [f["recovery_s"] for f in faults if f["recovery_s"] is not None]

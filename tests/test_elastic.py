@@ -41,9 +41,9 @@ def worlds(cluster: Cluster) -> list[int]:
 
 def finish(cluster: Cluster, reference):
     assert cluster.wait_done(timeout=300), "the job did not finish"
-    same = same_codes(cluster.output, reference)
-    print(f"\nworld sizes {worlds(cluster)}; {same:.4%} of int codes identical to the uninterrupted run")
-    assert same >= 0.999
+    print(f"\nworld sizes {worlds(cluster)}")
+    if tree_digest(cluster.output) != tree_digest(reference):
+        pytest.fail(f"not the uninterrupted run's bits: {same_codes(cluster.output, reference):.4%} of int codes")
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ invariants hold and the checkpoint is the uninterrupted run's, byte for byte (it
 import os
 import random
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -12,7 +13,6 @@ import time
 import pytest
 
 from elastic_oneshot.testing.netns import Fabric, NamespaceUnavailable
-from elastic_oneshot.testing.runs import tree_digest
 from elastic_oneshot.testing.tiny import make_model
 from launch.chaos import QUORUM_LOSS_S, Cluster, check_invariants, etcd_fault, figures, inject, reference_run
 
@@ -48,9 +48,8 @@ def finished_intact(cluster: Cluster, reference: str) -> list[dict]:
     """Waits for the end; asserts every invariant and the uninterrupted run's bits; the epochs begun."""
     assert cluster.wait_done(timeout=400), "the job did not finish"
     cluster.close(etcd=False)  # every node gone; the object store stays for the checks
-    failures = check_invariants(cluster, set(), reference, reference_world=1)
-    assert not [f for f in failures if "byte-identical" not in f], failures
-    assert tree_digest(cluster.output) == tree_digest(reference)
+    failures = check_invariants(cluster, set(), reference)  # the bits among them
+    assert not failures, failures
     starts = [e for e in cluster.events() if e["event"] == "start"]
     print(f"\nepochs {len(starts)}, world sizes {[e['world_size'] for e in starts]}")
     return starts
@@ -131,9 +130,11 @@ def test_a_three_member_etcd_loses_its_leader_then_its_quorum(model, reference, 
 
 
 @pytest.mark.usefixtures("fabric")  # skipped where namespaces cannot be made
-def test_a_short_campaign(model, tmp_path):
+def test_a_short_campaign(model, reference, tmp_path):
     """What CI runs of the campaign (the issue's, with 12 faults on a 48-layer model, takes minutes: the note has
-    its table): three faults of a seeded schedule on the 16-layer model."""
+    its table): three faults of a seeded schedule on the 16-layer model. The campaign compares with this module's
+    uninterrupted run (one rank; the bits are the same at any world size) instead of running its own."""
+    shutil.copytree(reference, tmp_path / "chaos" / "reference")
     kinds = "partition,partition_keep_store,slow_link,lossy_link,store_brownout,kill_node"
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "chaos.py"), "--model", model, "--workdir",
                            str(tmp_path / "chaos"), "--network", "--faults", "3", "--seed", "1", "--kinds", kinds,
