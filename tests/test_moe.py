@@ -203,8 +203,4 @@ def test_world_size_change_with_a_kill_inside_an_moe_layer(tmp_path):
     print(f"\nafter the kill, {found.group(1)} of {found.group(2)} groups of layer 1 were reused at W=1")
     reference = tmp_path / "reference"
     run_cli("run", "--model", model, "--output", reference, *job, env=one_thread_env())
-    a, _ = int_codes(out)
-    b, _ = int_codes(reference)
-    same = sum((a[k] == b[k]).sum().item() for k in a) / sum(v.numel() for v in a.values())
-    print(f"against an uninterrupted W=1 run: {same:.4%} of int codes identical")
-    assert same >= 0.999
+    assert tree_digest(out) == tree_digest(reference), "not an uninterrupted W=1 run's bits"
