@@ -115,9 +115,11 @@ def restart_split(log: str, r: dict) -> str:
     found = re.search(r"replayed layers (\d+\.\.\d+) for \d+ chunks in ([\d.]+) s \(([\d.]+) s of it waiting", text)
     span, replayed, waited = (found.group(1), float(found.group(2)), float(found.group(3))) if found else ("none", 0, 0)
     verify = float((re.search(r"committed layers verified in ([\d.]+) s", text) or [0, 0])[1])
+    ahead = re.search(r"read ahead \d+ files \(([\d.]+) MB\) in ([\d.]+) s", text)
+    ahead = f"{ahead[1]} MB in {ahead[2]} s ({float(ahead[1]) / float(ahead[2]):.2f} MB/s)" if ahead else "nothing"
     return (f"{r['first_commit'] - r['launched']:.1f} s: to the epoch {r['started'] - r['launched']:.2f} s "
             f"(verification {verify:.2f} s), replay of layers {span} {replayed:.2f} s ({waited:.2f} s of it waiting "
-            f"for the boundary, read ahead from the process's start), the layers until the commit "
+            f"for the boundary; read ahead from the process's start: {ahead}), the layers until the commit "
             f"{r['first_commit'] - r['started'] - replayed:.2f} s")
 
 

@@ -36,7 +36,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import threading
+import time
 from concurrent.futures import CancelledError, Future
 from typing import TYPE_CHECKING
 
@@ -49,6 +51,7 @@ from elastic_oneshot.errors import CorruptStateError, StorageError, UsageError
 if TYPE_CHECKING:
     import torch
 
+log = logging.getLogger("elastic_oneshot")
 FORMAT = 2  # 2: boundaries behind the commits, xxh3-128 file digests
 _AHEAD: dict[str, dict[str, Future]] = {}  # root -> path -> its bytes being read ahead, for any StateStore of root
 
@@ -115,12 +118,15 @@ class StateStore:
         futures = _AHEAD[self.root] = {r["path"]: Future() for r in records}
 
         def read():  # a daemon thread: a process that ends early does not wait for reads it no longer needs
+            began = time.perf_counter()
             for r in records:
                 if futures[r["path"]].set_running_or_notify_cancel():
                     try:
                         futures[r["path"]].set_result(self.storage.get(r["path"], r["size"]))
                     except Exception as e:
                         futures[r["path"]].set_exception(e)
+            log.info("read ahead %d files (%.1f MB) in %.1f s", len(records), sum(r["size"] for r in records) / 1e6,
+                     time.perf_counter() - began)
 
         threading.Thread(target=read, name="read-ahead", daemon=True).start()
 
