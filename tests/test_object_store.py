@@ -391,8 +391,9 @@ def aws_home(s3, tmp_path, monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.s3
-@pytest.mark.xfail(reason="fails on main too since 2026-11-25 with botocore/boto3 1.43.11, moto 5.2.1, obstore 0.12.1: "
-                          "the signed LIST is answered 403; to be understood (see the stop's note)", strict=False)
+@pytest.mark.xfail(reason="moto 5.2.1's server checks a signature against the query as it decoded it (prefix=p/, where "
+                          "clients sign prefix=p%2F): with signatures checked, it refuses every LIST under a prefix "
+                          "(SignatureDoesNotMatch, from boto3 as from obstore; getmoto/moto#5948)", strict=False)
 def test_credentials_from_a_profile_file_never_reach_the_state(aws_home, llama4, reference, tmp_path, monkeypatch):
     key, secret = aws_home
     url, out = f"s3://{BUCKET}/profile", str(tmp_path / "out")
