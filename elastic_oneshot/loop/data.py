@@ -133,6 +133,8 @@ def token_blocks(spec, tokenizer, seq_len: int, text_column: str, want_calib: in
     Reading stops once the pool holds POOL_FACTOR * want_calib blocks and want_holdout blocks are
     held out, so a large dataset is not tokenized in full.
     """
+    import torch
+
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     buf: list[int] = []
     pool, holdout = [], []
@@ -154,8 +156,6 @@ def token_blocks(spec, tokenizer, seq_len: int, text_column: str, want_calib: in
             block, buf = buf[:seq_len], buf[seq_len:]
             (holdout if n_blocks % HOLDOUT_EVERY == HOLDOUT_EVERY - 1 else pool).append(block)
             n_blocks += 1
-
-    import torch
 
     def as_tensor(blocks):
         return torch.tensor(blocks, dtype=torch.int64).reshape(-1, seq_len)
