@@ -14,9 +14,9 @@ from elastic_oneshot.models.source import SourceModel
 from elastic_oneshot.quantization.plan import StepKind, layer_groups, make_plan
 from elastic_oneshot.testing.runs import (
     JOB,
+    assert_same_bits,
     one_thread_env,
     run_world,
-    same_codes,
     torchrun_cmd,
     tree_digest,
     workers,
@@ -39,11 +39,6 @@ def test_world_sizes_agree_with_one_rank(world, tiny_llama, w1, tmp_path):
     out = tmp_path / "out"
     run_world(world, tiny_llama, out)
     assert_same_bits(out, w1)
-
-
-def assert_same_bits(out, reference):
-    if tree_digest(out) != tree_digest(reference):
-        pytest.fail(f"{out} is not {reference}, byte for byte: {same_codes(out, reference):.4%} of int codes identical")
 
 
 @pytest.mark.slow

@@ -16,7 +16,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 from elastic_oneshot.durability.etcd_records import EtcdRecords, parse_url, redact
 from elastic_oneshot.errors import StaleEpochError, UsageError
 from elastic_oneshot.testing.etcd_server import EtcdServer, make_tls
-from elastic_oneshot.testing.runs import one_thread_env, run_cli, tree_digest
+from elastic_oneshot.testing.runs import assert_same_bits, one_thread_env, run_cli, tree_digest
 from elastic_oneshot.testing.tiny import make_model
 
 JOB = ["--num-samples", 48, "--seq-len", 256, "--group-size", 64, "--chunk-size", 8]
@@ -332,7 +332,7 @@ def test_the_survivor_finishes_when_the_rank0_node_is_killed(etcd, nodes, refere
     progress = n.records.progress()
     assert (progress["layers_committed"], progress["world_size"], progress["done"]) == (LAYERS, 1, True)
     assert [e["world_size"] for e in n.events() if e["event"] == "start"][-1] == 1
-    assert tree_digest(n.out) == tree_digest(reference.out), "not the uninterrupted run's bits"
+    assert_same_bits(n.out, reference.out)
 
 
 @pytest.mark.slow

@@ -89,6 +89,14 @@ def same_codes(a, b) -> float:
     return sum((ca[k] == cb[k]).sum().item() for k in ca) / sum(v.numel() for v in ca.values())
 
 
+def assert_same_bits(out, reference):
+    """`out` is the checkpoint `reference`, byte for byte, as it is at any world size and thread count; if not, the
+    AssertionError says how many int codes they share."""
+    if tree_digest(out) != tree_digest(reference):
+        raise AssertionError(f"{out} is not {reference}, byte for byte: {same_codes(out, reference):.4%} of int "
+                             "codes identical")
+
+
 def packed_modules(checkpoint: str) -> set[str]:
     """The modules a compressed checkpoint holds packed (weight_packed), by its names."""
     with safe_open(os.path.join(checkpoint, "model.safetensors"), "pt") as f:
