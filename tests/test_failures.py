@@ -210,7 +210,8 @@ def test_a_worker_whose_other_rank_died_or_froze_says_so_in_one_line(fault, tmp_
                                 "elastic-oneshot: error: another rank was lost (Application timeout")), line
         return
     assert re.search(r"rank\s+: 0 .*\n.*exitcode\s+: 1 ", err), err[-3000:]
-    assert "another rank was lost (" in line and "Connection reset by peer" in line
+    # gloo words a killed peer either way, by timing; world.py knows both
+    assert "another rank was lost (" in line and re.search(r"Connection (reset|closed) by peer", line), line
     run_cli(*args, env=one_thread_env())  # the job goes on from its commits
 
 
