@@ -28,6 +28,7 @@ from concurrent.futures import Executor, Future
 
 import torch
 
+from elastic_oneshot.durability import layout
 from elastic_oneshot.durability.state import StateStore
 from elastic_oneshot.errors import UsageError
 
@@ -91,10 +92,6 @@ class Priority:
             self._idle.wait_for(lambda: self._running == 0)
 
 
-def path(layer: int, epoch: int, chunk: int) -> str:
-    return f"boundaries/{layer:05d}/e{epoch:05d}/chunk-{chunk:05d}.safetensors"
-
-
 class Boundaries:
     """This rank's side of the job's boundaries: its writes, when the next one is due, and which are
     durable. Every decision is taken from what all ranks gathered at the last commit (`settle`), so every
@@ -139,14 +136,14 @@ class Boundaries:
             return False  # the job would be done before it is durable
         return layer - self.last >= auto_interval(write_s, layer_s, propagate_s, self.mtbf_s)
 
-    def submit(self, layer: int, epoch: int, chunks: dict[int, torch.Tensor]):
+    def submit(self, layer: int, tag: str, chunks: dict[int, torch.Tensor]):
         """Write `chunks` (this rank's inputs of `layer`, host tensors never changed afterwards) behind the
         computation, once the write in flight (if any) has finished: one in flight, bounded memory. The
         finished write's records wait for the next commit, which makes that boundary durable."""
         if self._flight is not None:
             self._flight[1].result()
             self._land()
-        self._flight = (layer, self.io.submit(self._write, layer, epoch, chunks))
+        self._flight = (layer, self.io.submit(self._write, layer, tag, chunks))
         self.last = layer
 
     def _land(self):
@@ -155,13 +152,13 @@ class Boundaries:
         self._flight = None
         self._written[layer] = future.result()
 
-    def _write(self, layer: int, epoch: int, chunks: dict[int, torch.Tensor]) -> dict:
+    def _write(self, layer: int, tag: str, chunks: dict[int, torch.Tensor]) -> dict:
         start, records = time.perf_counter(), {}
         for c, x in sorted(chunks.items()):
             self.priority.wait()
             if self._done:
                 break
-            records[str(c)] = self.state.write_tensors(path(layer, epoch, c), {"hidden_states": x})
+            records[str(c)] = self.state.write_tensors(layout.boundary(layer, tag, c), {"hidden_states": x})
         self._write_s = time.perf_counter() - start
         return records
 

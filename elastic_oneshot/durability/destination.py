@@ -6,8 +6,8 @@ files it wrote; a destination holding anything no marker of this job lists is re
 replaced that a marker of this job does not list.
 
 A directory: the checkpoint is built in OUT.partial, claimed for the job before any work (so that a second job on
-the same --output is refused at its start), and renamed into place; a previous checkpoint of this job goes to
-OUT.old first and is removed last.
+the same --output is refused at its start), and renamed into place; a previous checkpoint of this job is swapped
+with it atomically where the filesystem can (else it goes to OUT.old first), and removed last.
 
 A prefix: built in a temporary directory ($TMPDIR), then uploaded. An object store has no rename, so the marker
 goes up last: a reader sees the checkpoint complete only with it. Before anything else, a pending marker
@@ -17,6 +17,8 @@ interrupted upload is known as this job's and finished by the next export.
 
 import abc
 import contextlib
+import ctypes
+import errno
 import json
 import os
 import shutil
@@ -31,6 +33,7 @@ from elastic_oneshot.surface.preflight import check_writable
 
 MARKER = "elastic-oneshot.json"  # in every checkpoint: the job's fingerprint and the files written
 PENDING = "elastic-oneshot.pending.json"  # on a prefix, while an upload is under way
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2  # from <fcntl.h> and <linux/fs.h>
 
 
 def open_destination(output: str) -> "Destination":
@@ -144,12 +147,17 @@ class Directory(Destination):
             raise
 
     def publish(self, built: str, fingerprint: str):
-        """OUT.partial becomes OUT; a previous checkpoint of this job goes to OUT.old first, and is removed last."""
+        """OUT.partial becomes OUT. A previous checkpoint of this job is swapped with it in one step where the
+        filesystem can (renameat2's RENAME_EXCHANGE: OUT is never missing), else moved to OUT.old first; either way
+        it is removed last."""
         out, old = self.out, f"{self.out}.old"
         self.check(fingerprint)  # again: the export took a while, and OUT is the user's to change meanwhile
         if os.path.lexists(old):
             shutil.rmtree(old)  # this job's, by its marker
         if os.path.isdir(out) and os.listdir(out):
+            if _exchange(built, out):
+                shutil.rmtree(built)  # the previous checkpoint, now there
+                return
             os.replace(out, old)
             os.replace(built, out)
             shutil.rmtree(old)
@@ -191,6 +199,20 @@ class Prefix(Destination):
             storage.remove(name)
         storage.upload(MARKER, os.path.join(built, MARKER))
         storage.remove(PENDING)
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swap the directories `a` and `b` atomically (Linux's renameat2 with RENAME_EXCHANGE); False where the
+    system or the filesystem cannot."""
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, os.strerror(code), b)
 
 
 def write_marker(directory: str, fingerprint: str, files: list[str]):

@@ -70,6 +70,7 @@ from elastic_oneshot.distributed.etcd_client import (
     is_transient,
     parse_endpoints,
 )
+from elastic_oneshot.durability import layout
 from elastic_oneshot.durability.records import Records
 from elastic_oneshot.durability.state import canonical_json
 from elastic_oneshot.errors import CorruptStateError, StaleEpochError, UsageError, exit_now, report
@@ -120,6 +121,7 @@ class EtcdRecords(Records):
     def __init__(self, endpoints: list[tuple[str, int]], prefix: str = "/elastic-oneshot/", *, cacert=None, cert=None,
                  key=None, user=None, password=None, ttl: float = DEFAULT_TTL,
                  retry_timeout: float = DEFAULT_RETRY_TIMEOUT, url: str | None = None):
+        super().__init__()
         if user and password is None:
             password = os.environ.get(PASSWORD_ENV)
         try:
@@ -216,9 +218,9 @@ class EtcdRecords(Records):
         moves `epoch` from E to E+1 only if unchanged since read; StaleEpochError if another process won."""
         ok, (current, progress) = self._txn([], [Get(self._k("epoch")), Get(self._k("progress"))])
         value, meta = current[0] if current else (None, None)
-        epoch = (int(value) if meta else 0) + 1
+        epoch, nonce = (int(value) if meta else 0) + 1, uuid.uuid4().hex
         fence = canonical_json({"epoch": epoch, "committed": {str(k): v for k, v in sorted(committed.items())},
-                       "nonce": uuid.uuid4().hex, "time": time.time(), "world_size": self.world_size})
+                                "nonce": nonce, "time": time.time(), "world_size": self.world_size})
         cursor = 0
         while cursor in committed:
             cursor += 1
@@ -236,6 +238,7 @@ class EtcdRecords(Records):
                 self._check_alive(responses[1:])
                 raise StaleEpochError(f"epoch {epoch} was begun by another process")
         self._view = (epoch, dict(committed), set())
+        self._tags[epoch] = layout.tag(epoch, nonce)
         return epoch
 
     def commit(self, layer: int, epoch: int, manifest: dict):

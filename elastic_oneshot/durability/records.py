@@ -8,8 +8,10 @@ a state directory. The weights, boundaries and events a commit names are files i
 
 import abc
 import time
+import uuid
 from collections.abc import Iterator
 
+from elastic_oneshot.durability import layout
 from elastic_oneshot.durability.state import StateStore
 from elastic_oneshot.errors import CorruptStateError, StaleEpochError
 
@@ -19,6 +21,9 @@ class Records(abc.ABC):
     a progress key to watch) has a default here that does nothing."""
 
     url: str | None = None  # the coordinator's URL, without its password, as job.json records it; None: files
+
+    def __init__(self):
+        self._tags: dict[int, str] = {}  # epoch -> its tag, as read or made by this process
 
     @abc.abstractmethod
     def epochs(self) -> list[int]:
@@ -30,7 +35,24 @@ class Records(abc.ABC):
 
     @abc.abstractmethod
     def fence(self, epoch: int) -> dict | None:
-        """Epoch `epoch`'s fence, {"epoch", "committed": {"layer": epoch}, ...}; None if absent."""
+        """Epoch `epoch`'s fence, {"epoch", "committed": {"layer": epoch}, "nonce", ...}; None if absent."""
+
+    def tag(self, epoch: int) -> str | None:
+        """Epoch `epoch`'s tag (layout.tag), under which its workers write; None if its fence is absent or unreadable
+        (then nothing written under it is taken). Read once: a fence never changes once created."""
+        if epoch not in self._tags:
+            found = self._read_tag(epoch)
+            if found is None:
+                return None
+            self._tags[epoch] = found
+        return self._tags[epoch]
+
+    def _read_tag(self, epoch: int) -> str | None:
+        try:
+            fence = self.fence(epoch)
+        except CorruptStateError:
+            return None
+        return layout.tag(epoch, fence["nonce"]) if fence and fence.get("nonce") else None
 
     @abc.abstractmethod
     def committed(self) -> dict[int, int]:
@@ -76,6 +98,7 @@ class FileRecords(Records):
     (an eventually consistent store) costs a refused fence or a layer redone, never a wrong commit."""
 
     def __init__(self, files: StateStore):
+        super().__init__()
         self.files = files
 
     def epochs(self) -> list[int]:
@@ -86,7 +109,7 @@ class FileRecords(Records):
 
     def fence(self, epoch: int) -> dict | None:
         """CorruptStateError if the fence file is unreadable."""
-        return self.files.read_json(f"epochs/{epoch:05d}.json")
+        return self.files.read_json(layout.fence(epoch))
 
     def committed(self) -> dict[int, int]:
         """If the newest fence is unreadable, an older one is used and the commits in between are not trusted
@@ -107,27 +130,32 @@ class FileRecords(Records):
         return view
 
     def begin_epoch(self, committed: dict[int, int]) -> int:
-        epoch = self.current_epoch() + 1
+        epoch, nonce = self.current_epoch() + 1, uuid.uuid4().hex
         try:
-            self.files.write_json(f"epochs/{epoch:05d}.json", {"epoch": epoch, "committed": {
+            self.files.write_json(layout.fence(epoch), {"epoch": epoch, "nonce": nonce, "committed": {
                 str(k): v for k, v in sorted(committed.items())}}, exclusive=True)
         except FileExistsError:
             raise StaleEpochError(f"epoch {epoch} was begun by another process") from None
+        self._tags[epoch] = layout.tag(epoch, nonce)
         return epoch
 
-    @staticmethod
-    def commit_path(layer: int, epoch: int) -> str:
-        return f"commits/{layer:05d}.e{epoch:05d}.json"
+    commit_path = staticmethod(layout.commit)
 
     def manifest(self, layer: int, epoch: int) -> dict | None:
-        return self.files.read_json(self.commit_path(layer, epoch))
+        return self.files.read_json(layout.commit(layer, epoch))
 
     def commit(self, layer: int, epoch: int, manifest: dict):
+        """Also refused unless the fence of `epoch` here is the one this process created: a state reached through a
+        path that now leads elsewhere (a re-pointed link, a remount, another copy) is found within a layer."""
         current = self.current_epoch()
         if current != epoch:
             raise StaleEpochError(f"epoch {epoch} is stale (epoch {current} has begun): layer {layer} not committed")
+        mine = self._tags.get(epoch)
+        if mine is None or self._read_tag(epoch) != mine:
+            raise StaleEpochError(f"the fence of epoch {epoch} in {self.files.root} is not the one this process "
+                                  f"began (the state's path leads elsewhere now): layer {layer} not committed")
         try:
-            self.files.write_json(self.commit_path(layer, epoch), manifest, exclusive=True)
+            self.files.write_json(layout.commit(layer, epoch), manifest, exclusive=True)
         except FileExistsError:
             raise StaleEpochError(f"layer {layer} was already committed in epoch {epoch}") from None
 

@@ -3,12 +3,12 @@
 Layout (docs/state-format.md is the specification):
     job.json                          what is being compressed, and its fingerprint
     tokens.safetensors                the calibration samples, [num_samples, seq_len] int64
-    epochs/EEEEE.json                 fence of epoch E: the commits valid when its workers started
+    epochs/EEEEE.json                 fence of epoch E: the commits valid when its workers started, and its nonce
     commits/LLLLL.eEEEEE.json         layer L's manifest from epoch E: written last; it is the commit
-    layers/LLLLL/eEEEEE.rR.bBBBB.{safetensors,json}  solved groups of layer L (tensors, and the record
-                                      naming them), written by rank R of epoch E as soon as solved
-    layers/LLLLL/fence.eEEEEE.json    which older solved records epoch E reuses for layer L
-    boundaries/LLLLL/eEEEEE/chunk-CCCCC.safetensors  inputs of layer L for sample chunk C (boundaries.py)
+    layers/LLLLL/TAG.rR.bBBBB.{safetensors,json}  solved groups of layer L (tensors, and the record naming them),
+                                      written by rank R of the epoch tagged TAG (eEEEEE.NONCE) as soon as solved
+    layers/LLLLL/fence.TAG.json       which older solved records that epoch reuses for layer L
+    boundaries/LLLLL/TAG/chunk-CCCCC.safetensors  inputs of layer L for sample chunk C (boundaries.py)
     events.jsonl                      history for people and `status` (never trusted for progress)
     events/TTTTT.R.json               the same history on an object store, one event per object
 
@@ -52,7 +52,7 @@ if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger("elastic_oneshot")
-FORMAT = 2  # 2: boundaries behind the commits, xxh3-128 file digests
+FORMAT = 3  # 2: boundaries behind the commits, xxh3-128 file digests; 3: epoch tags, the model's content in commits
 _AHEAD: dict[str, dict[str, Future]] = {}  # root -> path -> its bytes being read ahead, for any StateStore of root
 
 

@@ -161,10 +161,11 @@ def _alive(pid: int) -> bool:
 
 class LocalStorage(Storage):
     """A directory: every file written to `NAME.tmpPID`, fsynced, then renamed (or, if exclusive, hard-linked) to
-    `NAME`, and its directory fsynced."""
+    `NAME`, and its directory fsynced. Its path is resolved once, when opened: a link in it re-pointed while the job
+    runs leaves the job where it began (it would otherwise write into whatever the link leads to now)."""
 
     def __init__(self, root: str):
-        self.root = os.path.abspath(root)
+        self.root = os.path.realpath(root)
         if os.path.exists(self.root) and not os.path.isdir(self.root):
             raise UsageError(f"state directory {self.root} is a file: give --state a new directory or one "
                              "holding a state")

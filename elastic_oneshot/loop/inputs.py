@@ -96,9 +96,14 @@ class LayerInputs:
     def each(self, layer: int):
         """This rank's chunks with their inputs to `layer`, on the device."""
         if self._held_layer != layer:
-            self._restore(layer)
+            self.restore(layer)
         for chunk in self.own:
             yield chunk, self._held[chunk].to(self.device, non_blocking=True)
+
+    @property
+    def held_layer(self) -> int | None:
+        """The layer whose inputs are held in memory."""
+        return self._held_layer
 
     def held_bytes(self) -> int:
         """The bytes of this rank's chunks' inputs held in memory: what a boundary of theirs writes."""
@@ -126,9 +131,13 @@ class LayerInputs:
         return torch.empty(x.shape, dtype=x.dtype, pin_memory=True).copy_(x)
 
     def quantized_layer(self, layer: int) -> torch.nn.Module:
-        """A committed layer with its quantized weights, on the device."""
+        """A committed layer with its quantized weights, on the device; DamagedLayer if they do not read back."""
         module = self.source.load_layer(layer, self.device, self.budget)
-        self.unpack(module, layer, to_device(self.protocol.tensors(layer), self.device))
+        try:
+            tensors = self.protocol.tensors(layer)
+        except CorruptStateError as e:
+            raise DamagedLayer(layer, str(e)) from None
+        self.unpack(module, layer, to_device(tensors, self.device))
         return module
 
     def unpack(self, module: torch.nn.Module, layer: int, tensors: dict):
@@ -153,10 +162,11 @@ class LayerInputs:
                                               expert.get_submodule(q).weight.dtype)
         return weights
 
-    def _restore(self, layer: int):
+    def restore(self, layer: int):
         """Inputs to `layer` from storage: the newest durable boundary at or below it that reads back intact,
         else the embeddings, then forward through the committed layers in between. The boundary's chunks are
-        taken as they arrive (`prefetch`): the first replayed layer runs on those already there."""
+        taken as they arrive (`prefetch`): the first replayed layer runs on those already there. DamagedLayer if a
+        committed layer in between does not read back."""
         began, held, waited = time.perf_counter(), None, [0.0]
         fetching, self._fetching = self._fetching, None
         for start, records in self.protocol.durable(layer):
@@ -211,6 +221,14 @@ class LayerInputs:
 
 class _Damaged(Exception):
     """A boundary chunk that does not read back."""
+
+
+class DamagedLayer(Exception):
+    """A committed layer that a replay needs does not read back (`layer`; the message says why)."""
+
+    def __init__(self, layer: int, reason: str):
+        super().__init__(reason)
+        self.layer = layer
 
 
 def _arrival(get, waited: list[float]):

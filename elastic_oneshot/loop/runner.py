@@ -29,11 +29,13 @@ from elastic_oneshot.durability.boundaries import Boundaries, Priority, mtbf_fro
 from elastic_oneshot.durability.protocol import CommitProtocol
 from elastic_oneshot.durability.records import Records
 from elastic_oneshot.durability.state import StateStore
-from elastic_oneshot.errors import CorruptStateError, StaleEpochError, StorageError
+from elastic_oneshot.errors import CorruptStateError, StaleEpochError, StorageError, UsageError
+from elastic_oneshot.loop import model_check
 from elastic_oneshot.loop.calibration import Calibration
 from elastic_oneshot.loop.data import chunk_bounds, partition
-from elastic_oneshot.loop.inputs import LayerInputs, to_device
+from elastic_oneshot.loop.inputs import DamagedLayer, LayerInputs, to_device
 from elastic_oneshot.loop.job import Job
+from elastic_oneshot.models.content import Content
 from elastic_oneshot.models.moe import experts_mode, streamed
 from elastic_oneshot.models.source import SourceModel
 from elastic_oneshot.quantization.executor import Executor
@@ -70,7 +72,8 @@ def _device_done():
 @dataclasses.dataclass
 class Computed:
     """A layer computed on this rank and not yet committed: what its commit needs. `reused`: the records of
-    groups an earlier attempt solved; `writes`: futures of this rank's records of the others."""
+    groups an earlier attempt solved; `writes`: futures of this rank's records of the others; `source`: the
+    digest of the layer's content as this rank read it."""
 
     layer: int
     groups: list[str]
@@ -78,21 +81,34 @@ class Computed:
     writes: list[Future]
     notes: dict
     seconds: dict
+    source: str
+
+
+class _Redo(Exception):
+    """Committed layers that a replay found damaged, on some rank: every rank begins a new epoch without them."""
 
 
 class Runner:
     """One rank's part of the job. `schemes`: each quantized module's (full name -> QuantizationScheme, the
     recipe's module_schemes); `boundary_every` and `mtbf_s` (None: the job's own, from its events) set how often
     boundaries are written (boundaries.py); `max_memory` (bytes; None: 80 % of what the device has free when an
-    epoch begins, the least over ranks) bounds a layer's working set (plan.memory_batches)."""
+    epoch begins, the least over ranks) bounds a layer's working set (plan.memory_batches). `model_changed`: what a
+    start does when committed layers were computed from other model content than the files hold now (model_check):
+    "refuse" in one line, or "redo" from the first changed layer."""
 
     def __init__(self, job: Job, state: StateStore, records: Records, source: SourceModel, world: World,
                  schemes: dict, boundary_every: int | None = None, mtbf_s: float | None = None,
-                 max_memory: int | None = None):
+                 max_memory: int | None = None, model_changed: str = "refuse"):
         self.job, self.state, self.source, self.world = job, state, source, world
         self.rank, self.device = world.rank, world.device
         self.protocol = CommitProtocol(state, records)
         self.epoch, self.committed = 0, {}  # set by begin_epoch(): this epoch, and layer -> epoch of its commit
+        self.tag = ""  # this epoch's tag: what its workers write lives under it (layout.tag)
+        self.began: set[int] = set()  # the epochs this process began
+        self.content, self.model_changed = Content(source), model_changed
+        self.stats: dict[str, str] = {}  # the model's shard stats when the epoch began: unchanged at every commit
+        self.digests: dict[int, Future] = {}  # this epoch's layer content digests, computed on their own thread
+        self.hasher = ThreadPoolExecutor(max_workers=1)
         self.schemes = schemes
         self.chunks = chunk_bounds(job.num_samples, job.chunk_size)
         self.layer_modules = source.by_layer(list(schemes))  # per layer, names local to it
@@ -109,22 +125,25 @@ class Runner:
 
     # -- epochs ---------------------------------------------------------------------------------------
     def begin_epoch(self, valid: dict[int, int] | None = None):
-        """Fence a new epoch on what verifies now (`valid`, if rank 0 just verified); every rank learns the epoch
-        and the committed layers."""
-        start = None
+        """Fence a new epoch on what verifies now (`valid`, if rank 0 just verified) and on the model's content
+        (every rank checks its files); every rank learns the epoch, its tag and the committed layers."""
+        vouched = None
         if self.rank == 0:
             began = time.perf_counter()
             valid = self.protocol.verified() if valid is None else valid
             log.info("%d committed layers verified in %.1f s", len(valid), time.perf_counter() - began)
-            try:
-                mtbf = self.mtbf_s or mtbf_from(self.state.events(), time.time())
-                start = {"epoch": self.protocol.begin_epoch(valid), "committed": valid, "mtbf": mtbf}
-            except StaleEpochError as e:
-                start = {"error": str(e)}
+            vouched = model_check.vouchers({layer: self.protocol.manifest_of(layer, epoch)
+                                            for layer, epoch in valid.items()})
+        vouched = self.world.broadcast_object(vouched)
+        self.stats, self.digests = self.content.stats(), {}
+        changes = [c for c in self.world.gather_objects(model_check.changed(self.content, vouched, self.stats)) if c]
+        start = None
+        if self.rank == 0:
+            start = self._fence(valid, min(changes) if changes else None)
         start = self.world.broadcast_object(start)
         if "error" in start:
-            raise StaleEpochError(start["error"])
-        self.epoch, self.committed = start["epoch"], start["committed"]
+            raise (UsageError if start.get("usage") else StaleEpochError)(start["error"])
+        self.epoch, self.tag, self.committed = start["epoch"], start["tag"], start["committed"]
         self.protocol.view = self.committed
         self.boundaries.restart([b for b, _ in self.protocol.durable(self.source.num_layers)], start["mtbf"])
         todo = [layer for layer in range(self.source.num_layers) if layer not in self.committed]
@@ -142,6 +161,26 @@ class Runner:
             metrics.history(self.state)
             log.info("epoch %d, world size %d: %d of %d layers committed; next is layer %s", self.epoch,
                      self.world.size, len(self.committed), self.source.num_layers, todo[0] if todo else "none")
+
+    def _fence(self, valid: dict[int, int], change: tuple[int, str] | None) -> dict:
+        """Rank 0: the new epoch's start for every rank, on the `valid` commits less the layers from the first one
+        whose content `change`d ({"error"} if the model changed and that is refused, or another process won)."""
+        if change is not None:
+            layer, files = change
+            if self.model_changed != "redo":
+                return {"usage": True, "error": f"model {self.source.path} has changed since layer {layer} was "
+                        f"committed (its tensors in {files} differ): restore the model, or pass --model-changed "
+                        f"redo to redo layers {layer}..{self.source.num_layers - 1} from it, or --restart"}
+            log.warning("model %s has changed since layer %d was committed (%s): layers %d..%d will be redone",
+                        self.source.path, layer, files, layer, self.source.num_layers - 1)
+            valid = {k: v for k, v in valid.items() if k < layer}
+        try:
+            mtbf = self.mtbf_s or mtbf_from(self.state.events(), time.time())
+            epoch = self.protocol.begin_epoch(valid)
+        except StaleEpochError as e:
+            return {"error": str(e)}
+        self.began.add(epoch)
+        return {"epoch": epoch, "tag": self.protocol.records.tag(epoch), "committed": valid, "mtbf": mtbf}
 
     def run(self, final: Callable[[CommitProtocol], None]):
         """Process every uncommitted layer; then rank 0 calls `final` (the export's weights), which reads every
@@ -174,14 +213,11 @@ class Runner:
         self.progress = LayerBar(self.source.num_layers, len(self.committed), show=self.rank == 0)
         with torch.inference_mode():
             while True:
-                for layer in range(self.source.num_layers):
-                    if layer not in self.committed:
-                        if self.pending and self.pending[-1].layer != layer - 1:
-                            self.settle()  # its inputs are replayed through the layers computed before it
-                        if not self.pending:  # else SIGTERM is asked of every rank at the next commit
-                            signals.check(f"before layer {layer}")
-                        self.process(layer)
-                self.settle()
+                try:
+                    self._layers()
+                except _Redo:
+                    self.begin_epoch()
+                    continue
                 outcome = None
                 if self.rank == 0:
                     with ThreadPoolExecutor(max_workers=1) as pool:  # outside inference mode, as a thread's own
@@ -201,13 +237,48 @@ class Runner:
                     return
                 self.begin_epoch(outcome)
 
+    def _layers(self):
+        """Every layer the epoch has not committed, in order, all committed at the end."""
+        for layer in range(self.source.num_layers):
+            if layer not in self.committed:
+                if self.pending and self.pending[-1].layer != layer - 1:
+                    self.settle()  # its inputs are replayed through the layers computed before it
+                if not self.pending:  # else SIGTERM is asked of every rank at the next commit
+                    signals.check(f"before layer {layer}")
+                self.process(layer)
+        self.settle()
+
+    def restore(self, layer: int):
+        """The inputs of `layer` from storage, on every rank at once (after a start or a gap; nothing is pending). A
+        committed layer that the replay finds damaged, on any rank, is redone as a damaged commit is: _Redo, after
+        which a new epoch begins without it (replaying from the newest durable input before it). One damaged again
+        after this process committed it means that the storage damages what it is given: that stops the run."""
+        damaged = None
+        try:
+            self.inputs.restore(layer)
+        except DamagedLayer as e:
+            damaged = (e.layer, str(e))
+        found = sorted(d for d in self.world.gather_objects(damaged) if d)
+        if not found:
+            return
+        for index, reason in found:
+            log.warning("layer %d will be redone: %s", index, reason)
+            if self.committed[index] in self.began:
+                raise CorruptStateError(f"layer {index}, committed by this process, no longer reads back ({reason}): "
+                                        "the state's storage damages what it stores")
+            self.protocol.damaged(index, reason)
+        raise _Redo()
+
     # -- one layer ------------------------------------------------------------------------------------
     def process(self, layer: int):
         """One layer: calibrate, solve, propagate; then commit the layers computed before it but the newest
         COMMITS_BEHIND, whose files upload while the next layer computes."""
         seconds = {}
+        if self.inputs.held_layer != layer:
+            self.restore(layer)
         if self.rank == 0:
             self.state.append_event({"event": "layer", "layer": layer, "time": time.time(), "epoch": self.epoch})
+        source = self.digest(layer)  # read while the layer loads
         with _timed(seconds, "load"):
             module = self.source.load_layer(layer, self.device, self.memory if self.job.moe_calibrate == "routed"
                                             else None)  # all-experts: their gate and up are one group, held whole
@@ -227,7 +298,7 @@ class Runner:
             notes.update(more)
         with _timed(seconds, "propagate"):
             self.propagate(layer, module, tensors, seconds)
-        self.pending.append(Computed(layer, [g.name for g in groups], reused, writes, notes, seconds))
+        self.pending.append(Computed(layer, [g.name for g in groups], reused, writes, notes, seconds, source.result()))
         self.settle(keep=COMMITS_BEHIND)
 
     def compress(self, layer: int, module, batch: list[Group], writes: list, seconds: dict) -> tuple[dict, dict]:
@@ -244,10 +315,17 @@ class Runner:
             with _timed(seconds, "gptq"):
                 return self.solve(layer, packing, batch, writes, calib)
 
+    def digest(self, layer: int) -> Future:
+        """The digest of `layer`'s content as this rank reads it (Content.digest), once an epoch, on its own thread."""
+        if layer not in self.digests:
+            self.digests[layer] = self.hasher.submit(self.content.digest, layer)
+        return self.digests[layer]
+
     def read_solved(self, layer: int) -> tuple[int, list[dict], dict]:
-        """Sub-layer progress of `layer`: the records of the groups an earlier attempt solved, and their compressed
-        tensors (rank 0 reads each file once)."""
-        records = self.world.broadcast_object(self.protocol.solved(layer, self.epoch) if self.rank == 0 else None)
+        """Sub-layer progress of `layer`: the records of the groups an earlier attempt solved from the same content,
+        and their compressed tensors (rank 0 reads each file once)."""
+        records = self.world.broadcast_object(
+            self.protocol.solved(layer, self.tag, self.digest(layer).result()) if self.rank == 0 else None)
         tensors = {}
         for r in records:
             tensors.update(to_device(self.protocol.read_tensors(r["file"]), self.device))
@@ -291,7 +369,7 @@ class Runner:
         self.inputs.keep(layer + 1, outputs)
         if self.boundaries.due(layer + 1):
             with _timed(seconds, "commit"):
-                self.boundaries.submit(layer + 1, self.epoch, outputs)
+                self.boundaries.submit(layer + 1, self.tag, outputs)
 
     def solve(self, layer: int, packing: LayerPacking, groups: list[Group], writes: list,
               calib: Calibration) -> tuple[dict, dict]:
@@ -305,9 +383,8 @@ class Runner:
             packed = {k: v for g, weight in solved for k, v in packing.pack(g, weight).items()}
             written.update(g.name for g, _ in solved)
             tensors.update(packed)
-            writes.append(self.priority.submit(self.io, self.write_solved, layer, self.epoch,
-                                               f"r{self.rank}.b{len(writes):04d}", [g.name for g, _ in solved],
-                                               {k: v.cpu() for k, v in packed.items()}))
+            writes.append(self.priority.submit(self.io, self.write_solved, layer, f"r{self.rank}.b{len(writes):04d}",
+                                               [g.name for g, _ in solved], {k: v.cpu() for k, v in packed.items()}))
 
         executor = Executor(self.world, make_plan(groups, self.world.size), groups, packing.weights, self.job.recipe,
                             layer, persist, packing.args, packing.qparams)
@@ -317,10 +394,10 @@ class Runner:
                 tensors.update(packing.pack(g, results[g.name]))
         return tensors, {name: {"damping": d} for g, d in executor.damping.items() for name, _ in g.modules}
 
-    def write_solved(self, layer: int, epoch: int, name: str, groups: list[str], tensors: dict) -> dict:
+    def write_solved(self, layer: int, name: str, groups: list[str], tensors: dict) -> dict:
         """On the I/O thread: solved groups to storage, their upload timed (the link's rate, for `auto`)."""
         start = time.perf_counter()
-        record = self.protocol.write_solved(layer, epoch, name, groups, tensors)
+        record = self.protocol.write_solved(layer, self.tag, name, groups, tensors, self.digest(layer).result())
         self.boundaries.uploaded(record["file"]["size"], time.perf_counter() - start)
         return record
 
@@ -336,17 +413,22 @@ class Runner:
 
     def commit(self, c: Computed) -> bool:
         """Once every rank's files of layer `c.layer` are durable, rank 0 commits it (its records cover its
-        groups), with the newest boundary that became durable since the last commit; then the layer counts as
-        done. Returns whether any rank was asked to stop (SIGTERM)."""
+        groups), with the newest boundary that became durable since the last commit, and the layer's content as
+        every rank read it, from files unchanged since the epoch began (else no rank commits: model_check); then the
+        layer counts as done. Returns whether any rank was asked to stop (SIGTERM)."""
         with _timed(c.seconds, "commit"):
             solved = [f.result() for f in c.writes]
+            stats = self.content.stats()
             everyone = self.world.gather_objects({"notes": c.notes, "solved": solved, "stop": signals.requested(),
+                                                  "source": c.source, "stats": stats, "changed": stats != self.stats,
                                                   **self.boundaries.report(c.seconds, self.inputs.held_bytes())})
+            self._same_model(c.layer, everyone)
             boundary = self.boundaries.settle(everyone)
             if self.rank == 0:
                 self.protocol.commit(c.layer, self.epoch, {
                     "layer": c.layer, "epoch": self.epoch, "world_size": self.world.size, "boundary": boundary,
                     "modules": {n: v for m in everyone for n, v in sorted(m["notes"].items())},
+                    "source": model_check.record(c.source, [m["stats"] for m in everyone]),
                     "seconds": dict(c.seconds)}, c.groups, c.reused + [r for m in everyone for r in m["solved"]])
             self.world.barrier()
         self.committed[c.layer] = self.epoch
@@ -363,3 +445,14 @@ class Runner:
             self.protocol.prune(below=self.boundaries.prunable(), epoch=self.epoch)
         return any(m["stop"] for m in everyone)
 
+    def _same_model(self, layer: int, everyone: list[dict]):
+        """Every rank, from what all gathered at a commit: the same UsageError if some rank's model files changed
+        since the epoch began, or some rank read other content for the layer than rank 0 (another copy of the
+        model on its node)."""
+        if changed := [r for r, m in enumerate(everyone) if m["changed"]]:
+            raise UsageError(f"the model's files changed while the job ran (rank {changed[0]}: {self.source.path}): "
+                             f"layer {layer} not committed; run again once they are settled: the committed layers "
+                             "are checked against them")
+        if other := [r for r, m in enumerate(everyone) if m["source"] != everyone[0]["source"]]:
+            raise UsageError(f"rank {other[0]} reads another model than rank 0 ({self.source.path}: layer {layer}'s "
+                             "tensors differ): give every node the same model")

@@ -40,7 +40,8 @@ def oneshot(model: str | None = None, dataset: str = "builtin", scheme: str = "W
             chunk_size: int = 8, eval_samples: int = 0, collective_timeout: float = 60.0,
             moe_calibrate_all_experts: bool = True, coordinator: str | None = None,
             attention: str = "eager", allow_long_seq: bool = False, boundary_every: str | int = "auto",
-            mtbf_s: float | None = None, metrics_port: int | None = None, max_memory: str | int | None = None) -> str:
+            mtbf_s: float | None = None, metrics_port: int | None = None, max_memory: str | int | None = None,
+            model_changed: str = "refuse") -> str:
     """Compress `model` with GPTQ, resumably; return the output directory (a local one, or an object-store prefix).
     Arguments mirror llmcompressor's `oneshot` where they mean the same. `recipe` is what llmcompressor takes
     (a GPTQModifier, a list of modifiers, a YAML file or text; see recipe_loader) or a Recipe; without it, `scheme`
@@ -51,7 +52,9 @@ def oneshot(model: str | None = None, dataset: str = "builtin", scheme: str = "W
     `boundary_every` (auto, 0 or N layers) and `mtbf_s` set how often activations are written (boundaries.py).
     `metrics_port` (None: $ELASTIC_ONESHOT_METRICS_PORT; 0: none) serves Prometheus metrics, per rank (metrics.py).
     `max_memory` (bytes, or text such as 24GB; None: 80 % of what the device has free) bounds a layer's working
-    set: a layer of many experts is calibrated and solved in batches that fit (plan.memory_batches)."""
+    set: a layer of many experts is calibrated and solved in batches that fit (plan.memory_batches).
+    `model_changed`: "refuse" (in one line) or "redo" a resume whose committed layers were computed from other model
+    content than the files hold now (a model edited in place; model_check.py)."""
     max_memory = None if max_memory is None else parse_bytes(max_memory)
     metrics.serve(metrics_port)  # the port is taken first: one that is in use ends this rank before any work
     world = World(timeout_s=collective_timeout)
@@ -74,7 +77,8 @@ def oneshot(model: str | None = None, dataset: str = "builtin", scheme: str = "W
     routed = job.moe_calibrate == "routed"
     check_layer_fits(source.layer_bytes(streamed=routed), world.gather_objects(world.memory_for_a_layer()),
                      None if routed else source.layer_bytes(streamed=True))
-    runner = Runner(job, state, records, source, world, schemes, parse_every(boundary_every), mtbf_s, max_memory)
+    runner = Runner(job, state, records, source, world, schemes, parse_every(boundary_every), mtbf_s, max_memory,
+                    model_changed)
     claim = _claim(state, records, record, job, restart, destination) if world.rank == 0 else None
     if error := world.broadcast_object(claim):
         raise UsageError(error)

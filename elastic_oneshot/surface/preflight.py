@@ -36,6 +36,9 @@ def check_writable(path: str, option: str, beside: bool = False):
     if os.path.exists(path) and not os.path.isdir(path):
         raise UsageError(f"{option} {path} is a file, not a directory: give a directory path")
     where = os.path.abspath(path)
+    if os.path.islink(where) and not os.path.exists(where):  # not made here: it may be an unmounted filesystem's
+        raise UsageError(f"{option} {path} is a symbolic link to {os.readlink(where)}, which does not exist: create "
+                         "it (or mount what holds it), or give another path")
     if beside:
         where = os.path.dirname(where.rstrip(os.sep))
     while not os.path.isdir(where):
