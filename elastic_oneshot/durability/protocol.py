@@ -175,12 +175,13 @@ class CommitProtocol:
         """Fence a new epoch that builds on `committed` (StaleEpochError if another process began it first)."""
         return self.records.begin_epoch(committed)
 
-    def solved(self, layer: int, tag: str, source: str) -> list[dict]:
+    def solved(self, layer: int, tag: str, lineage: str) -> list[dict]:
         """Rank 0, when the epoch tagged `tag` starts work on `layer`: the intact solved-group records it may reuse,
         their files read back against their digests and kept for `read_tensors` (read once). A record counts only if
-        it was written under its epoch's tag in this state (never another job's or another copy's), from the same
-        layer content (`source`, Content.digest), and, for an older epoch's, if taken into this epoch's fence for the
-        layer, which the first call writes, so that a stale worker's late writes are never picked up."""
+        it was written by an epoch of this state, as its name and its body say (never another job's or another
+        copy's), from the same model content up to the layer (`lineage`, model_check.lineage), and, for an older
+        epoch's, if taken into this epoch's fence for the layer, which the first call writes, so that a stale
+        worker's late writes are never picked up."""
         folder, fence = layout.solved_folder(layer), layout.solved_fence(layer, tag)
         try:
             listed = self.state.read_json(fence)
@@ -189,14 +190,15 @@ class CommitProtocol:
         out, older = [], []
         for name in sorted(n for n in self.state.names(folder) if n.endswith(".json")):
             epoch = layout.epoch_of(name)
-            own = name.startswith(f"{tag}.")
-            if epoch is None or not name.startswith(f"{self.records.tag(epoch)}."):
+            written = self.records.tag(epoch) if epoch is not None else None
+            own = written == tag
+            if written is None or not name.startswith(f"{written}."):
                 continue
             if not own and listed is not None and name not in listed["records"]:
                 continue
             try:
                 body = self.state.read_json(f"{folder}/{name}")
-                if body.get("source") != source:
+                if body.get("tag") != written or body.get("lineage") != lineage:
                     continue
                 self._read[body["file"]["path"]] = self.state.read_bytes(body["file"])
             except (CorruptStateError, KeyError, TypeError, AttributeError):
@@ -207,12 +209,13 @@ class CommitProtocol:
             self.state.write_json(fence, {"records": older})
         return out
 
-    def write_solved(self, layer: int, tag: str, name: str, groups: list[str], tensors: dict, source: str) -> dict:
+    def write_solved(self, layer: int, tag: str, name: str, groups: list[str], tensors: dict, lineage: str) -> dict:
         """Persist solved groups (named `name` among the records of the epoch tagged `tag`) before the commit; their
-        record, {"groups", "file", "source"}, for the commit. `source`: the digest of the layer's content they were
-        solved from (Content.digest)."""
+        record, {"groups", "file", "tag", "lineage"}, for the commit. `lineage`: the model content up to the layer
+        that they were solved from (model_check.lineage)."""
         stem = layout.solved(layer, tag, name)
-        record = {"groups": groups, "file": self.state.write_tensors(f"{stem}.safetensors", tensors), "source": source}
+        record = {"groups": groups, "file": self.state.write_tensors(f"{stem}.safetensors", tensors), "tag": tag,
+                  "lineage": lineage}
         self.state.write_json(f"{stem}.json", record)
         return record
 

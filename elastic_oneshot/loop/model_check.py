@@ -11,6 +11,8 @@ read once, at the first epoch it joins.
 import logging
 import time
 
+import xxhash
+
 from elastic_oneshot.models.content import Content
 
 log = logging.getLogger("elastic_oneshot")
@@ -58,3 +60,8 @@ def record(digest: str, stats: list[dict[str, str]]) -> dict:
         for name, key in rank_stats.items():
             keys.setdefault(name, set()).add(key)
     return {"digest": digest, "stats": {name: sorted(k) for name, k in sorted(keys.items())}}
+
+
+def lineage(digests: list[str]) -> str:
+    """What a layer's solved groups were computed from, given the content digests of every layer up to it."""
+    return xxhash.xxh3_128_hexdigest("/".join(digests).encode())

@@ -107,7 +107,8 @@ class Runner:
         self.began: set[int] = set()  # the epochs this process began
         self.content, self.model_changed = Content(source), model_changed
         self.stats: dict[str, str] = {}  # the model's shard stats when the epoch began: unchanged at every commit
-        self.digests: dict[int, Future] = {}  # this epoch's layer content digests, computed on their own thread
+        self.digests: dict[int, Future] = {}  # layer -> its content digest: committed ones' as their commits record
+        # them (checked against the files when the epoch began), the others' as read this epoch, on their own thread
         self.hasher = ThreadPoolExecutor(max_workers=1)
         self.schemes = schemes
         self.chunks = chunk_bounds(job.num_samples, job.chunk_size)
@@ -144,6 +145,9 @@ class Runner:
         if "error" in start:
             raise (UsageError if start.get("usage") else StaleEpochError)(start["error"])
         self.epoch, self.tag, self.committed = start["epoch"], start["tag"], start["committed"]
+        for layer in self.committed:
+            self.digests[layer] = Future()
+            self.digests[layer].set_result(vouched["layers"][layer][0])
         self.protocol.view = self.committed
         self.boundaries.restart([b for b, _ in self.protocol.durable(self.source.num_layers)], start["mtbf"])
         todo = [layer for layer in range(self.source.num_layers) if layer not in self.committed]
@@ -321,11 +325,16 @@ class Runner:
             self.digests[layer] = self.hasher.submit(self.content.digest, layer)
         return self.digests[layer]
 
+    def lineage(self, layer: int) -> str:
+        """What `layer`'s solved groups are computed from: the content of every layer up to it (its inputs come from
+        the layers before it). Every layer before it is committed or computed in this epoch when it is solved."""
+        return model_check.lineage([self.digest(index).result() for index in range(layer + 1)])
+
     def read_solved(self, layer: int) -> tuple[int, list[dict], dict]:
         """Sub-layer progress of `layer`: the records of the groups an earlier attempt solved from the same content,
         and their compressed tensors (rank 0 reads each file once)."""
         records = self.world.broadcast_object(
-            self.protocol.solved(layer, self.tag, self.digest(layer).result()) if self.rank == 0 else None)
+            self.protocol.solved(layer, self.tag, self.lineage(layer)) if self.rank == 0 else None)
         tensors = {}
         for r in records:
             tensors.update(to_device(self.protocol.read_tensors(r["file"]), self.device))
@@ -397,7 +406,7 @@ class Runner:
     def write_solved(self, layer: int, name: str, groups: list[str], tensors: dict) -> dict:
         """On the I/O thread: solved groups to storage, their upload timed (the link's rate, for `auto`)."""
         start = time.perf_counter()
-        record = self.protocol.write_solved(layer, self.tag, name, groups, tensors, self.digest(layer).result())
+        record = self.protocol.write_solved(layer, self.tag, name, groups, tensors, self.lineage(layer))
         self.boundaries.uploaded(record["file"]["size"], time.perf_counter() - start)
         return record
 
