@@ -226,7 +226,9 @@ class CommitProtocol:
         missing = sorted(set(groups) - {name for r in records for name in r["groups"]})
         if missing:
             raise RuntimeError(f"layer {layer}: no solved record covers {', '.join(missing)}")
-        self.records.commit(layer, epoch, {**manifest, "weights": [r["file"] for r in records]})
+        committed = {**manifest, "weights": [r["file"] for r in records]}
+        self.records.commit(layer, epoch, committed)
+        self._commits[layer, epoch] = committed  # as the records now hold it: the export reads it from here
 
     def prune(self, below: int, epoch: int):
         """Delete boundaries of layers below `below`, unless `epoch` is no longer the newest. Committed records may
