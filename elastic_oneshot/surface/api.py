@@ -4,16 +4,16 @@ import dataclasses
 import logging
 import os
 import socket
-import time
 
 import transformers
 
-from elastic_oneshot import metrics
+from elastic_oneshot import events, metrics
 from elastic_oneshot.distributed import signals
 from elastic_oneshot.distributed.world import World
 from elastic_oneshot.durability.boundaries import parse_every
+from elastic_oneshot.durability.coordinator import open_records
 from elastic_oneshot.durability.destination import Destination, open_destination
-from elastic_oneshot.durability.records import Records, open_records
+from elastic_oneshot.durability.records import Records
 from elastic_oneshot.durability.state import StateStore, default_root
 from elastic_oneshot.errors import CorruptStateError, StaleEpochError, UsageError
 from elastic_oneshot.loop.data import calibration_samples
@@ -27,6 +27,7 @@ from elastic_oneshot.quantization.recipe_loader import load_recipe
 from elastic_oneshot.surface.evaluate import perplexity
 from elastic_oneshot.surface.export import Export
 from elastic_oneshot.surface.preflight import check_layer_fits, check_locations, check_seq_len
+from elastic_oneshot.surface.progress import LayerBar
 
 log = logging.getLogger("elastic_oneshot")
 
@@ -78,7 +79,7 @@ def oneshot(model: str | None = None, dataset: str = "builtin", scheme: str = "W
     check_layer_fits(source.layer_bytes(streamed=routed), world.gather_objects(world.memory_for_a_layer()),
                      None if routed else source.layer_bytes(streamed=True))
     runner = Runner(job, state, records, source, world, schemes, parse_every(boundary_every), mtbf_s, max_memory,
-                    model_changed)
+                    model_changed, LayerBar(show=world.rank == 0))
     claim = _claim(state, records, record, job, restart, destination) if world.rank == 0 else None
     if error := world.broadcast_object(claim):
         raise UsageError(error)
@@ -133,8 +134,8 @@ def _open(job: Job, state_dir: str, destination: Destination, coordinator: str |
     length, the output, the recipe against the model; then the state (an object store's retries within half the
     collective timeout, so that peers wait them out), its records, the job's record and each quantized module's
     scheme (computed once a run: the runner and the export take them)."""
-    check_locations(job.model, state_dir, destination)
     state = StateStore(state_dir, retry_s=collective_timeout / 2)
+    check_locations(job.model, state, destination)
     records = open_records(state, coordinator)
     job = dataclasses.replace(job, coordinator=records.url)  # given, or job.json's
     source = SourceModel(job.model, job.trust_remote_code, job.attention)
@@ -151,8 +152,7 @@ def _record_faults(state: StateStore, world: World, runner: Runner):
     silent rank seen by any rank; returns the recorder for the others. Never raises: it runs on the way out."""
     def fault(kind: str, **fields):
         try:
-            state.append_event({"event": kind, "time": time.time(), "epoch": runner.epoch, "rank": world.rank,
-                                "host": socket.gethostname(), **fields})
+            state.append_event(events.fault(kind, runner.epoch, world.rank, socket.gethostname(), **fields))
         except Exception as e:  # a full or unreachable disk must not stop the way out
             log.warning("could not record the %s event: %s", kind, e)
 
