@@ -596,7 +596,7 @@ def campaign(cluster: Cluster, a: argparse.Namespace, rng: random.Random) -> tup
         kind = rng.choice(feasible(cluster, a.kinds))
         target = inject(cluster, kind, rng, stop_s=a.collective_timeout + 5)
         faults.append({"kind": kind, "target": target, "time": time.time()})
-        if kind == "corrupt_file" and target.startswith(("layers", "commits")):
+        if kind == "corrupt_file" and target.startswith((layout.SOLVED, layout.COMMITS)):
             corrupted.add(int(target.split("/")[1].split(".")[0]))
         print(f"{time.strftime('%H:%M:%S')} fault {len(faults)}: {kind} {target}", flush=True)
         if not cluster.live() and not any(n.stopped for n in cluster.nodes):

@@ -55,8 +55,7 @@ class LayerStep:
         than half of `budget`: source.load_layer), and its GPTQ groups."""
         with timed(seconds, "load"):
             module = self.source.load_layer(layer, self.device, budget)
-            return module, layer_groups(module, self.quantized[layer], self.source.family.shared_inputs,
-                                        self.all_experts)
+            return module, layer_groups(module, self.quantized[layer], self.source.family.input_key(self.all_experts))
 
     def compress(self, layer: int, module, groups: list[Group], chunks: Callable[[], Iterable[torch.Tensor]],
                  kwargs: dict, seconds: dict, persist: Callable[[list[str], dict], None] | None = None

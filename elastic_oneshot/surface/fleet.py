@@ -27,7 +27,6 @@ import json
 import math
 import os
 import random
-import re
 import subprocess
 import sys
 import tempfile
@@ -66,8 +65,6 @@ CHUNK_SIZE = 8  # `run --chunk-size`'s default: ranks take whole chunks of sampl
 SCALE_BYTES = 2  # per column group of a compressed weight (bf16 scales; fp8-scaled formats take less)
 STARTUP_S = 30.0  # interpreter, imports, skeleton, resume point: "tens of seconds at most" (docs/operations.md)
 COST_SLACK = 0.10  # recommend the fastest node count whose expected cost is within 10 % of the cheapest
-TOP_K = ("num_experts_per_tok", "moe_top_k", "top_k", "num_selected_experts")  # config names of experts per token
-EXPERT = re.compile(r"((?:.*\.)?experts)\.(\d+)\.(\w+)$")  # moe.Expert's Linear modules in the skeleton
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,7 +192,7 @@ def model_work(model: str, recipe, all_experts: bool = True) -> ModelWork:
     source = SourceModel(model)
     schemes = recipe.module_schemes(source.skeleton, source.family)
     config = source.config.get_text_config()
-    top_k = next((getattr(config, k) for k in TOP_K if getattr(config, k, None)), None)
+    top_k = source.family.experts_per_token(source.config)
     seen, layers = {}, []
     for index, layer in enumerate(source.layers):
         prefix = f"{source.layer_prefix}{index}."
@@ -213,18 +210,18 @@ def _layer_work(layer, linear, bits, source, top_k, all_experts) -> LayerWork:
     """A layer's LayerWork from its Linear modules (name, in, out) and quantized ones (name, bits, group width)."""
     from elastic_oneshot.quantization.plan import layer_groups
 
-    experts = collections.Counter(m.group(1) for n, *_ in linear if (m := EXPERT.match(n)) and m.group(3) ==
-                                  "down_proj")
+    expert_of = source.family.expert_of
+    experts = collections.Counter(e[0] for n, *_ in linear if (e := expert_of(n)) and e[2] == "down_proj")
 
     def routed(name):  # the share of tokens a module sees in a routed forward
-        m = EXPERT.match(name)
-        return min(1.0, (top_k or experts[m.group(1)]) / experts[m.group(1)]) if m else 1.0
+        e = expert_of(name)
+        return min(1.0, (top_k or experts[e[0]]) / experts[e[0]]) if e else 1.0
 
     def calibrated(name):  # ... and in calibration: all-experts runs gate and up on every token
-        m = EXPERT.match(name)
-        return 1.0 if all_experts and m and m.group(3) != "down_proj" else routed(name)
+        e = expert_of(name)
+        return 1.0 if all_experts and e and e[2] != "down_proj" else routed(name)
 
-    groups = tuple(layer_groups(layer, [n for n, *_ in bits], source.family.shared_inputs, all_experts))
+    groups = tuple(layer_groups(layer, [n for n, *_ in bits], source.family.input_key(all_experts)))
     shapes = {n: (i, o) for n, i, o in linear}
     return LayerWork(
         calibrate_flops=sum(2 * i * o * calibrated(n) for n, i, o in linear),

@@ -27,10 +27,10 @@ def check_locations(model: str, state, destination):
     destination.preflight()
 
 
-def check_seq_len(seq_len: int, config, allow_long: bool):
+def check_seq_len(seq_len: int, config, family, allow_long: bool):
     """Positions past the model's context were never trained: calibrating there is an explicit choice. An
     image-text model's context is its language model's."""
-    limit = getattr(config.get_text_config(), "max_position_embeddings", None)
+    limit = family.context(config)
     if limit and seq_len > limit and not allow_long:
         raise UsageError(f"--seq-len {seq_len} exceeds the model's context of {limit} tokens "
                          "(max_position_embeddings): lower it, or pass --allow-long-seq to calibrate past it")
