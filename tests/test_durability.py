@@ -17,8 +17,8 @@ import psutil
 import pytest
 
 from elastic_oneshot import oneshot
+from elastic_oneshot.durability.coordinator import open_records
 from elastic_oneshot.durability.protocol import CommitProtocol
-from elastic_oneshot.durability.records import open_records
 from elastic_oneshot.durability.state import StateStore, read_events
 from elastic_oneshot.durability.storage import LocalStorage
 from elastic_oneshot.errors import CorruptStateError

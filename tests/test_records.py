@@ -4,8 +4,9 @@ import inspect
 
 import pytest
 
+from elastic_oneshot.durability.coordinator import open_records
 from elastic_oneshot.durability.etcd_records import EtcdRecords
-from elastic_oneshot.durability.records import FileRecords, Records, open_records
+from elastic_oneshot.durability.records import FileRecords, Records
 from elastic_oneshot.durability.state import StateStore
 
 

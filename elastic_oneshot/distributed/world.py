@@ -7,13 +7,13 @@ import datetime
 import logging
 import os
 import re
-import threading
 import time
 
 import torch
 import torch.distributed as dist
 
 from elastic_oneshot import metrics
+from elastic_oneshot.distributed.watchdog import Watchdog
 from elastic_oneshot.errors import UsageError, exit_now, report
 
 log = logging.getLogger("elastic_oneshot")
@@ -69,42 +69,36 @@ class World:
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo",
                                     timeout=datetime.timedelta(seconds=timeout_s), device_id=(
                                         self.device if self.device.type == "cuda" else None))
-            self._stop = threading.Event()
-            self._bound = timeout_s
-            threading.Thread(target=self._liveness, args=(timeout_s,), name="liveness", daemon=True).start()
+            self._bound, self._counts = timeout_s, {r: -1 for r in range(self.size) if r != self.rank}
+            self._heard.update(dict.fromkeys(self._counts, time.monotonic()))
+            self._watchdog = Watchdog("liveness", self._heartbeat, max(0.5, timeout_s / 10), self._lost).start()
             global _world
             _world = self
 
-    def _liveness(self, bound_s: float):
-        """Heartbeats through the process group's store. A rank that sees another rank silent for `bound_s`
-        (frozen, or cut off), or cannot reach the store, leaves: its agent restarts the workers and the
-        new rendezvous goes on without the silent node. Commits are atomic, so leaving is always safe."""
+    def _heartbeat(self) -> str | None:
+        """One round of heartbeats through the process group's store: a rank that sees another rank silent for the
+        collective timeout (frozen, or cut off), or cannot reach the store (the silent rank's, maybe), leaves: its
+        agent restarts the workers and the new rendezvous goes on without the silent node. Commits are atomic, so
+        leaving is always safe."""
         store = dist.distributed_c10d._get_default_store()
-        interval = max(0.5, bound_s / 10)
-        seen = {r: (-1, time.monotonic()) for r in range(self.size) if r != self.rank}
-        self._heard.update({r: since for r, (_, since) in seen.items()})
+        store.add(f"elastic_oneshot/alive/{self.rank}", 1)
+        now = time.monotonic()
+        for other, count in self._counts.items():
+            current = store.add(f"elastic_oneshot/alive/{other}", 0)
+            if current != count:
+                self._counts[other], self._heard[other] = current, now
+            elif now - self._heard[other] > self._bound:
+                return f"rank {other} silent for {now - self._heard[other]:.0f} s"
+            metrics.silence(other, now - self._heard[other])
+        return None
+
+    def _lost(self, reason: str):
+        report(f"liveness: {reason}; leaving so that the job can go on without it", after_bar=True)
         try:
-            while not self._stop.is_set():
-                store.add(f"elastic_oneshot/alive/{self.rank}", 1)
-                now = time.monotonic()
-                for other, (count, since) in seen.items():
-                    current = store.add(f"elastic_oneshot/alive/{other}", 0)
-                    if current != count:
-                        seen[other] = (current, now)
-                        self._heard[other] = now
-                    elif now - since > bound_s:
-                        raise TimeoutError(f"rank {other} silent for {now - since:.0f} s")
-                    metrics.silence(other, now - seen[other][1])
-                self._stop.wait(interval)
-        except Exception as e:  # the store itself may be the silent rank's
-            if self._stop.is_set():
-                return
-            report(f"liveness: {e}; leaving so that the job can go on without it", after_bar=True)
-            try:
-                if self.on_lost:
-                    self.on_lost(str(e))
-            finally:
-                exit_now(1)
+            if self.on_lost:
+                self.on_lost(reason)
+        finally:
+            exit_now(1)
 
     def silent(self) -> tuple[int, float] | None:
         """The rank the heartbeats have not heard from the longest, and for how many seconds, if over half the
@@ -184,7 +178,7 @@ class World:
         """Leave together: nobody is mistaken for a silent rank while the others finish."""
         if self.distributed and dist.is_initialized():
             dist.barrier()
-            self._stop.set()
+            self._watchdog.stop()
             dist.destroy_process_group()
 
 

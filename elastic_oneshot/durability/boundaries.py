@@ -31,6 +31,7 @@ import torch
 from elastic_oneshot.durability import layout
 from elastic_oneshot.durability.state import StateStore
 from elastic_oneshot.errors import UsageError
+from elastic_oneshot.events import History
 
 DEFAULT_MTBF_S = 3600.0
 
@@ -58,12 +59,8 @@ def auto_interval(write_s: float, layer_s: float, propagate_s: float, mtbf_s: fl
 
 
 def mtbf_from(events: list[dict], now: float) -> float:
-    """The job's own mean time between failures: its time since the first start over the restarts since
-    (each start after the first is one); DEFAULT_MTBF_S before any restart."""
-    starts = [e["time"] for e in events if e.get("event") == "start"]
-    if not starts or now <= starts[0]:
-        return DEFAULT_MTBF_S
-    return (now - starts[0]) / len(starts)
+    """The job's own mean time between failures (events.History.mtbf); DEFAULT_MTBF_S before any restart."""
+    return History(events).mtbf(now, DEFAULT_MTBF_S)
 
 
 class Priority:

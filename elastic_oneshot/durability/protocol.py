@@ -129,7 +129,7 @@ class CommitProtocol:
                 continue
             folder, name = record["path"].rsplit("/", 1)
             if folder not in listed:
-                listed[folder] = self.state.storage.sizes(folder)
+                listed[folder] = self.state.sizes(folder)
             size = listed[folder].get(name)
             if size is None:
                 raise CorruptStateError(f"{record['path']} is missing")
@@ -235,9 +235,9 @@ class CommitProtocol:
         still name them: a reader that misses one recomputes it."""
         if self.records.current_epoch() != epoch:
             return
-        for name in self.state.names("boundaries"):
+        for name in self.state.names(layout.BOUNDARIES):
             if name.isdigit() and int(name) < below:
-                self.state.storage.remove(f"boundaries/{name}", best_effort=True)
+                self.state.remove(layout.boundary_folder(int(name)))
 
 
 def _replayed(valid: dict[int, int], manifests: dict[int, dict]) -> list[int]:

@@ -1,9 +1,9 @@
 """The records: where the truth of a job's progress lives, its epoch fences and layer commits.
 
 Two backends declare the one interface, `Records`: `FileRecords`, files in the state directory (the default;
-docs/state-format.md), and `etcd_records.EtcdRecords` (`--coordinator etcd://...`). `open_records` picks one for
-a state directory. The weights, boundaries and events a commit names are files in the state directory either way
-(state.StateStore); the records only say which of them are valid.
+docs/state-format.md), and `etcd_records.EtcdRecords` (`--coordinator etcd://...`). `coordinator.open_records`
+picks one for a state directory. The weights, boundaries and events a commit names are files in the state directory
+either way (state.StateStore); the records only say which of them are valid.
 """
 
 import abc
@@ -102,7 +102,7 @@ class FileRecords(Records):
         self.files = files
 
     def epochs(self) -> list[int]:
-        return sorted(int(n[:-5]) for n in self.files.names("epochs") if n.endswith(".json") and n[:-5].isdigit())
+        return sorted(e for n in self.files.names(layout.EPOCHS) if (e := layout.fenced(n)) is not None)
 
     def current_epoch(self) -> int:
         return (self.epochs() or [0])[-1]
@@ -123,10 +123,9 @@ class FileRecords(Records):
                 break
             except (CorruptStateError, KeyError, TypeError):
                 continue
-        for name in self.files.names("commits"):
-            layer, _, rest = name.partition(".e")
-            if rest == f"{epoch:05d}.json" and layer.isdigit():
-                view[int(layer)] = epoch
+        for name in self.files.names(layout.COMMITS):
+            if (layer := layout.committed(name, epoch)) is not None:
+                view[layer] = epoch
         return view
 
     def begin_epoch(self, committed: dict[int, int]) -> int:
@@ -158,19 +157,3 @@ class FileRecords(Records):
             self.files.write_json(layout.commit(layer, epoch), manifest, exclusive=True)
         except FileExistsError:
             raise StaleEpochError(f"layer {layer} was already committed in epoch {epoch}") from None
-
-
-def open_records(state: StateStore, coordinator: str | None = None) -> Records:
-    """The records of the job in `state`: in etcd at `coordinator` if given, else at the coordinator job.json
-    records (so that export, status and a resume find them there), else files in the state directory. The etcd
-    backend is imported only then."""
-    if not coordinator:
-        try:
-            coordinator = ((state.read_json("job.json") or {}).get("job") or {}).get("coordinator")
-        except CorruptStateError:
-            coordinator = None
-    if not coordinator:
-        return FileRecords(state)
-    from elastic_oneshot.durability.etcd_records import EtcdRecords
-
-    return EtcdRecords.from_url(coordinator)

@@ -12,7 +12,6 @@ the epoch is set up (from the process's start, where the command line began it: 
 bounded by its download.
 """
 
-import contextlib
 import dataclasses
 import logging
 import os
@@ -22,7 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
-from elastic_oneshot import metrics
+from elastic_oneshot import events, metrics
 from elastic_oneshot.distributed import signals
 from elastic_oneshot.distributed.world import World
 from elastic_oneshot.durability.boundaries import Boundaries, Priority, mtbf_from
@@ -31,17 +30,14 @@ from elastic_oneshot.durability.records import Records
 from elastic_oneshot.durability.state import StateStore
 from elastic_oneshot.errors import CorruptStateError, StaleEpochError, StorageError, UsageError
 from elastic_oneshot.loop import model_check
-from elastic_oneshot.loop.calibration import Calibration
-from elastic_oneshot.loop.data import chunk_bounds, partition
+from elastic_oneshot.loop.data import chunk_bounds, own_chunks
 from elastic_oneshot.loop.inputs import DamagedLayer, LayerInputs, to_device
 from elastic_oneshot.loop.job import Job
+from elastic_oneshot.loop.layer_step import LayerStep, timed
 from elastic_oneshot.models.content import Content
-from elastic_oneshot.models.moe import experts_mode, streamed
+from elastic_oneshot.models.moe import streamed
 from elastic_oneshot.models.source import SourceModel
-from elastic_oneshot.quantization.executor import Executor
-from elastic_oneshot.quantization.packing import LayerPacking
-from elastic_oneshot.quantization.plan import Group, layer_groups, make_plan, memory_batches
-from elastic_oneshot.surface.progress import LayerBar
+from elastic_oneshot.quantization.plan import Group, memory_batches
 
 log = logging.getLogger("elastic_oneshot")
 COMMITS_BEHIND = 1  # layers computed but not committed: their files upload while the next layer computes
@@ -51,22 +47,6 @@ def _io_thread() -> ThreadPoolExecutor:
     """A thread that only moves bytes, with one OpenMP thread (a second libgomp team throttles the main thread's
     spin-waits); computing stays on the main thread, so its bits never depend on the thread."""
     return ThreadPoolExecutor(max_workers=1, initializer=torch.set_num_threads, initargs=(1,))
-
-
-@contextlib.contextmanager
-def _timed(seconds: dict, phase: str):
-    start = time.perf_counter()
-    try:
-        yield
-    finally:
-        _device_done()
-        seconds[phase] = seconds.get(phase, 0.0) + time.perf_counter() - start
-
-
-def _device_done():
-    """On a GPU, wait for the work queued so far: a phase's seconds are then its own, not the next phase's."""
-    if torch.cuda.is_initialized():
-        torch.cuda.synchronize()
 
 
 @dataclasses.dataclass
@@ -94,12 +74,14 @@ class Runner:
     boundaries are written (boundaries.py); `max_memory` (bytes; None: 80 % of what the device has free when an
     epoch begins, the least over ranks) bounds a layer's working set (plan.memory_batches). `model_changed`: what a
     start does when committed layers were computed from other model content than the files hold now (model_check):
-    "refuse" in one line, or "redo" from the first changed layer."""
+    "refuse" in one line, or "redo" from the first changed layer. `progress` is told the layers committed, of all,
+    when the run begins and after each commit."""
 
     def __init__(self, job: Job, state: StateStore, records: Records, source: SourceModel, world: World,
                  schemes: dict, boundary_every: int | None = None, mtbf_s: float | None = None,
-                 max_memory: int | None = None, model_changed: str = "refuse"):
-        self.job, self.state, self.source, self.world = job, state, source, world
+                 max_memory: int | None = None, model_changed: str = "refuse",
+                 progress: Callable[[int, int], None] = lambda done, total: None):
+        self.job, self.state, self.source, self.world, self.progress = job, state, source, world, progress
         self.rank, self.device = world.rank, world.device
         self.protocol = CommitProtocol(state, records)
         self.epoch, self.committed = 0, {}  # set by begin_epoch(): this epoch, and layer -> epoch of its commit
@@ -110,15 +92,14 @@ class Runner:
         self.digests: dict[int, Future] = {}  # layer -> its content digest: committed ones' as their commits record
         # them (checked against the files when the epoch began), the others' as read this epoch, on their own thread
         self.hasher = ThreadPoolExecutor(max_workers=1)
-        self.schemes = schemes
+        self.step = LayerStep(source, schemes, job.recipe, world, world.device, job.seq_len, job.num_samples,
+                              job.moe_calibrate == "all")
         self.chunks = chunk_bounds(job.num_samples, job.chunk_size)
-        self.layer_modules = source.by_layer(list(schemes))  # per layer, names local to it
         self.io = _io_thread()  # solved groups; boundaries have their own, so a commit never queues behind one
         self.priority = Priority()  # and their chunks wait while solved groups upload
         self.pending: list[Computed] = []  # layers computed, not yet committed, oldest first
-        own = list(partition(len(self.chunks), world.size, self.rank))
-        self.inputs = LayerInputs.tried(state, source, job.seq_len, self.schemes, self.layer_modules, self.chunks,
-                                        own, self.device, self.protocol)
+        own = own_chunks(job.num_samples, job.chunk_size, world.size, self.rank)
+        self.inputs = LayerInputs.tried(state, self.step, self.chunks, own, self.protocol)
         self.boundaries = Boundaries(state, _io_thread(), boundary_every, source.num_layers, len(self.chunks),
                                      self.priority)
         self.mtbf_s, self.max_memory, self.memory = mtbf_s, max_memory, 0
@@ -159,9 +140,8 @@ class Runner:
         metrics.epoch_began(self.epoch, self.world.size, self.source.num_layers, self.committed,
                             self.boundaries.durable)
         if self.rank == 0:
-            self.state.append_event({"event": "start", "time": time.time(), "epoch": self.epoch,
-                                     "world_size": self.world.size, "committed": len(self.committed),
-                                     "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))})
+            self.state.append_event(events.start(self.epoch, self.world.size, len(self.committed),
+                                                 int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))))
             metrics.history(self.state)
             log.info("epoch %d, world size %d: %d of %d layers committed; next is layer %s", self.epoch,
                      self.world.size, len(self.committed), self.source.num_layers, todo[0] if todo else "none")
@@ -214,7 +194,7 @@ class Runner:
                 return valid
 
         self.begin_epoch()
-        self.progress = LayerBar(self.source.num_layers, len(self.committed), show=self.rank == 0)
+        self.progress(len(self.committed), self.source.num_layers)
         with torch.inference_mode():
             while True:
                 try:
@@ -275,49 +255,46 @@ class Runner:
 
     # -- one layer ------------------------------------------------------------------------------------
     def process(self, layer: int):
-        """One layer: calibrate, solve, propagate; then commit the layers computed before it but the newest
-        COMMITS_BEHIND, whose files upload while the next layer computes."""
+        """One layer: its steps (layer_step.py), its solved groups persisted as they are solved and earlier attempts'
+        reused; then commit the layers computed before it but the newest COMMITS_BEHIND, whose files upload while the
+        next layer computes."""
         seconds = {}
         if self.inputs.held_layer != layer:
             self.restore(layer)
         if self.rank == 0:
-            self.state.append_event({"event": "layer", "layer": layer, "time": time.time(), "epoch": self.epoch})
+            self.state.append_event(events.layer(layer, self.epoch))
         source = self.digest(layer)  # read while the layer loads
-        with _timed(seconds, "load"):
-            module = self.source.load_layer(layer, self.device, self.memory if self.job.moe_calibrate == "routed"
-                                            else None)  # all-experts: their gate and up are one group, held whole
-            groups = layer_groups(module, self.layer_modules[layer], self.source.family.shared_inputs,
-                                  self.job.moe_calibrate == "all")
+        module, groups = self.step.load(layer, self.memory if self.job.moe_calibrate == "routed" else None,
+                                        seconds)  # all-experts: their gate and up are one group, held whole
+        with timed(seconds, "load"):
             tensors, reused, todo = self.reuse_solved(layer, groups)
         writes, notes = [], {}  # this rank's writes of solved groups in this attempt, and its notes
+        for batch in self.batches(layer, module, todo):
+            solved, more = self.step.compress(layer, module, batch, lambda: (x for _, x in self.inputs.each(layer)),
+                                              self.inputs.kwargs(layer), seconds, self.persist(layer, writes))
+            tensors.update(solved)
+            notes.update(more)
+        self.propagate(layer, module, tensors, seconds)
+        self.pending.append(Computed(layer, [g.name for g in groups], reused, writes, notes, seconds, source.result()))
+        self.settle(keep=COMMITS_BEHIND)
+
+    def batches(self, layer: int, module, todo: list[Group]) -> list[list[Group]]:
+        """The groups to solve, in batches whose working set fits beside the layer (plan.memory_batches)."""
         stream = bool(streamed(module))  # its experts are read with their batch
         batches = memory_batches(todo, self.memory - sum(t.nbytes for t in module.state_dict().values()
                                                          if not t.is_meta), self.source.dtype.itemsize * stream)
         if len(batches) > 1 and self.rank == 0:
             log.info("layer %d: %d groups in %d batches%s, to keep within %.1f GB", layer, len(todo), len(batches),
                      ", each reading its experts" if stream else "", self.memory / 1e9)
-        for batch in batches:
-            solved, more = self.compress(layer, module, batch, writes, seconds)
-            tensors.update(solved)
-            notes.update(more)
-        with _timed(seconds, "propagate"):
-            self.propagate(layer, module, tensors, seconds)
-        self.pending.append(Computed(layer, [g.name for g in groups], reused, writes, notes, seconds, source.result()))
-        self.settle(keep=COMMITS_BEHIND)
+        return batches
 
-    def compress(self, layer: int, module, batch: list[Group], writes: list, seconds: dict) -> tuple[dict, dict]:
-        """A batch of the layer's groups calibrated and solved, with their experts held where the layer streams
-        them (read here); qparams come from the original weights, before propagation replaces any."""
-        names = [n for g in batch for n, _ in g.modules]
-        with contextlib.ExitStack() as held:
-            with _timed(seconds, "load"):
-                held.enter_context(self.source.hold(module, layer, names, self.device))
-            packing = LayerPacking(self.schemes, f"{self.source.layer_prefix}{layer}.", dict(module.named_modules()),
-                                   names, {}, self.source.family.fused_scales)
-            calib = self.calibrate(layer, module, batch, seconds)
-            packing.ranges = calib.ranges  # reduced across ranks in place by the executor
-            with _timed(seconds, "gptq"):
-                return self.solve(layer, packing, batch, writes, calib)
+    def persist(self, layer: int, writes: list) -> Callable[[list[str], dict], None]:
+        """Sub-layer progress: this rank's owned groups go to storage as soon as they are solved (by the I/O thread,
+        ahead of boundaries); `writes` gets their futures, which the commit waits for."""
+        def write(groups: list[str], packed: dict):
+            writes.append(self.priority.submit(self.io, self.write_solved, layer, f"r{self.rank}.b{len(writes):04d}",
+                                               groups, {k: v.cpu() for k, v in packed.items()}))
+        return write
 
     def digest(self, layer: int) -> Future:
         """The digest of `layer`'s content as this rank reads it (Content.digest), once an epoch, on its own thread."""
@@ -351,57 +328,21 @@ class Runner:
                      len(done), len(groups), len(groups) - len(done))
         return tensors, records, [g for g in groups if g.name not in done]
 
-    def calibrate(self, layer: int, module, groups: list[Group], seconds: dict) -> Calibration:
-        """Hessians of `groups` over this rank's chunks, and static inputs' ranges (not yet reduced across ranks)."""
-        start, prefix = time.perf_counter(), f"{self.source.layer_prefix}{layer}."
-        calib = Calibration(module, [[n for n, _ in g.modules] for g in groups], self.device, self.job.seq_len,
-                            {g.name: self.schemes[prefix + g.name] for g in groups})
-        with experts_mode(module, self.job.moe_calibrate == "all"):
-            for _, x in self.inputs.each(layer):
-                for sample in x.split(1):
-                    calib.run(module, sample, self.inputs.kwargs(layer))
-                calib.end_chunk()
-        calib.remove()
-        _device_done()
-        seconds["hessian"] = seconds.get("hessian", 0.0) + calib.seconds
-        seconds["calibrate"] = seconds.get("calibrate", 0.0) + time.perf_counter() - start - calib.seconds
-        return calib
-
     def propagate(self, layer: int, module, tensors: dict, seconds: dict):
-        """The next layer's inputs for this rank's chunks, through the quantized layer: kept in memory, and
+        """The next layer's inputs for this rank's chunks, through the quantized layer: kept in host memory, and
         handed to the I/O thread when a boundary is due (waiting for the one in flight counts as "commit":
         waiting for storage)."""
-        self.inputs.unpack(module, layer, tensors)
         if layer == self.source.num_layers - 1:
             return
-        outputs = {c: self.inputs.to_host(self.inputs.forward(module, layer, x)) for c, x in self.inputs.each(layer)}
+        outputs = {}
+        for chunk, y in self.step.propagate(layer, module, tensors, self.inputs.each(layer), self.inputs.kwargs(layer),
+                                            seconds):
+            with timed(seconds, "propagate"):
+                outputs[chunk] = self.inputs.to_host(y)
         self.inputs.keep(layer + 1, outputs)
         if self.boundaries.due(layer + 1):
-            with _timed(seconds, "commit"):
+            with timed(seconds, "commit"):
                 self.boundaries.submit(layer + 1, self.tag, outputs)
-
-    def solve(self, layer: int, packing: LayerPacking, groups: list[Group], writes: list,
-              calib: Calibration) -> tuple[dict, dict]:
-        """GPTQ `groups` across ranks by the plan (executor.py), packed by the layer's `packing`. Sub-layer
-        progress: this rank's owned groups go to storage as soon as they are solved (by the I/O thread, ahead of
-        boundaries; `writes` gets their futures, which the commit waits for). Returns the compressed tensors of
-        these groups and this rank's notes."""
-        tensors, written = {}, set()
-
-        def persist(solved: list):
-            packed = {k: v for g, weight in solved for k, v in packing.pack(g, weight).items()}
-            written.update(g.name for g, _ in solved)
-            tensors.update(packed)
-            writes.append(self.priority.submit(self.io, self.write_solved, layer, f"r{self.rank}.b{len(writes):04d}",
-                                               [g.name for g, _ in solved], {k: v.cpu() for k, v in packed.items()}))
-
-        executor = Executor(self.world, make_plan(groups, self.world.size), groups, packing.weights, self.job.recipe,
-                            layer, persist, packing.args, packing.qparams)
-        results = executor.run(calib.hessian, self.job.num_samples, calib.ranges)
-        for g in groups:
-            if g.name not in written:
-                tensors.update(packing.pack(g, results[g.name]))
-        return tensors, {name: {"damping": d} for g, d in executor.damping.items() for name, _ in g.modules}
 
     def write_solved(self, layer: int, name: str, groups: list[str], tensors: dict) -> dict:
         """On the I/O thread: solved groups to storage, their upload timed (the link's rate, for `auto`)."""
@@ -425,7 +366,7 @@ class Runner:
         groups), with the newest boundary that became durable since the last commit, and the layer's content as
         every rank read it, from files unchanged since the epoch began (else no rank commits: model_check); then the
         layer counts as done. Returns whether any rank was asked to stop (SIGTERM)."""
-        with _timed(c.seconds, "commit"):
+        with timed(c.seconds, "commit"):
             solved = [f.result() for f in c.writes]
             stats = self.content.stats()
             everyone = self.world.gather_objects({"notes": c.notes, "solved": solved, "stop": signals.requested(),
@@ -442,12 +383,11 @@ class Runner:
             self.world.barrier()
         self.committed[c.layer] = self.epoch
         if self.rank == 0:
-            self.state.append_event({"event": "commit", "layer": c.layer, "time": time.time(), "epoch": self.epoch,
-                                     "world_size": self.world.size, "seconds": c.seconds})
+            self.state.append_event(events.commit(c.layer, self.epoch, self.world.size, c.seconds))
         metrics.committed(c.seconds, self.committed, self.boundaries.durable)
         log.info("layer %d/%d committed (%.1f s: %s)", c.layer + 1, self.source.num_layers, sum(c.seconds.values()),
                  ", ".join(f"{k} {v:.2f}" for k, v in c.seconds.items()))
-        self.progress.update(len(self.committed))
+        self.progress(len(self.committed), self.source.num_layers)
         if c.layer == 0:
             self.inputs.embedder.release()
         if self.rank == 0 and boundary:

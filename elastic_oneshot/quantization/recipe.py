@@ -116,7 +116,7 @@ class Recipe:
                     raise UsageError(f"{name} is matched by config groups {group_of[name]} and {group}: "
                                      "make their targets disjoint")
                 found[name], group_of[name] = scheme, group
-        for names in input_groups(list(found), family.shared_inputs, all_experts=True):
+        for names in input_groups(list(found), family.input_key(all_experts=True)):
             if len({group_of[n] for n in names}) > 1:
                 raise UsageError(f"{', '.join(names)} share their input but not their config group "
                                  f"({', '.join(sorted({group_of[n] for n in names}))}): give them one scheme")

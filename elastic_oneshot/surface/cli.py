@@ -256,8 +256,8 @@ def _command(args):
                 boundary_every=args.boundary_every, mtbf_s=args.mtbf, metrics_port=args.metrics_port,
                 max_memory=args.max_memory)
     elif args.command == "export":
+        from elastic_oneshot.durability.coordinator import open_records
         from elastic_oneshot.durability.destination import open_destination
-        from elastic_oneshot.durability.records import open_records
         from elastic_oneshot.durability.state import StateStore
         from elastic_oneshot.surface.export import export
 

@@ -137,7 +137,7 @@ class Export:
         record = self.state.job()
         self.job, self.fingerprint, self.num_layers = Job.from_dict(record["job"]), record["fingerprint"], \
             record["num_layers"]
-        check_separate(model=self.job.model, state=self.state.root, output=self.destination.local)
+        check_separate(model=self.job.model, state=self.state.local, output=self.destination.local)
         self.destination.preflight()
         self.destination.check(self.fingerprint, self.state.root)
         job = self.job
