@@ -150,13 +150,11 @@ class Recipe:
             check_scheme(name, scheme)
 
     def _check_stages(self):
-        if self.quantizer not in (GPTQ, RTN, None):
-            raise UsageError(f"unknown quantizer {self.quantizer!r}: {GPTQ}, {RTN} or none")
-        if self.quantizer is None and (self.scheme is not None or self.config_groups is not None):
-            raise UsageError("a recipe without a quantization modifier has no scheme")
-        for stage in self.stages:
-            if not isinstance(stage, tuple(STAGES.values())):
-                raise UsageError(f"unknown stage {stage!r}")
+        if self.quantizer not in (GPTQ, RTN, None) or self.quantizer is None and (
+                self.scheme is not None or self.config_groups is not None) or \
+                not all(isinstance(stage, tuple(STAGES.values())) for stage in self.stages):
+            raise ValueError(f"not a recipe: quantizer {self.quantizer!r}, scheme {self.scheme!r}, "
+                             f"stages {self.stages!r}")  # what recipe_loader and from_dict never make
         if self.quantizer is None and any(isinstance(s, AWQ) for s in self.stages):
             raise UsageError(f"AWQModifier needs a quantization modifier after it ({GPTQ} or {RTN}): "
                              "it scales weights for that modifier's scheme")
