@@ -161,3 +161,15 @@ def test_what_is_not_run_as_the_peer_runs_it_is_refused_in_one_line(modifiers, m
 def test_an_unknown_modifier_is_refused_before_its_arguments_are_read():
     with pytest.raises(UsageError, match="^SpinQuantModifier is not supported"):
         read_recipe(stage("GPTQModifier: {scheme: W4A16, bogus: 1}\nSpinQuantModifier: {rotations: [R1]}"))
+
+
+def test_what_needs_calibration_data():
+    """Round to nearest of weights, with dynamic or no input activations, runs no forward pass (the peer's
+    data-free pipeline); static input scales, GPTQ and every stage need the calibration data."""
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+
+    rtn = "quant_stage:\n  quant_modifiers:\n    QuantizationModifier: {{scheme: {}, ignore: [lm_head]}}\n"
+    presets = ("W4A16", "FP8_DYNAMIC", "NVFP4A16", "MXFP4", "W8A8", "FP8_BLOCK", "FP8", "NVFP4")
+    assert [read_recipe(rtn.format(s)).calibrates for s in presets] == \
+        [QuantizationModifier(scheme=s).requires_calibration_data for s in presets] == [False] * 6 + [True] * 2
+    assert Recipe().calibrates and read_recipe(SPARSE_FP8).calibrates and read_recipe(AWQ_W4A16).calibrates

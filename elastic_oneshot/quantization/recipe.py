@@ -32,6 +32,7 @@ from elastic_oneshot.quantization.schemes import (
     group_size,
     int_weights,
     module_format,
+    static_inputs,
     with_observers,
 )
 
@@ -163,6 +164,12 @@ class Recipe:
     def modifiers(self) -> list[str]:
         """The peer's names of the recipe's modifiers, in the order they run."""
         return [s.modifier for s in self.stages] + ([self.quantizer] if self.quantizer else [])
+
+    @property
+    def calibrates(self) -> bool:
+        """Whether the recipe needs calibration data (forward passes): every stage and GPTQ do; round to nearest only
+        for static input activations (FP8's scale, NVFP4's global scale)."""
+        return bool(self.stages) or self.quantizer == GPTQ or any(static_inputs(s) for s in self.schemes.values())
 
     @property
     def schemes(self) -> dict[str, QuantizationScheme]:
