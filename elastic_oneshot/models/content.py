@@ -39,12 +39,8 @@ class Content:
             decoder = next(n for n, m in source.skeleton.named_modules() if m is source.decoder)
             skeleton += [f"{decoder}.{k}".lstrip(".") for k in source.decoder.state_dict()
                          if not k.startswith(f"{source.family.stack}.")]
-        stored = set()
-        for name in skeleton:
-            name = source.stored_name(name)
-            name = source.fused[name][0] if name in source.fused else name
-            if name in source.files:  # buffers built from the config, tied names the checkpoint omits
-                stored.add(name)
+        stored = {n for name in skeleton for n in source.stored_sources(name)
+                  if n in source.files}  # not buffers built from the config, tied names the checkpoint omits
         return tuple(sorted(stored))
 
     def files(self, layer: int) -> list[str]:

@@ -27,7 +27,8 @@ from elastic_oneshot.models.moe import Experts, Layout, default_gating, own_gati
 
 FAMILIES: dict[str, type["Family"]] = {}
 EXPERT = re.compile(r"((?:.*\.)?experts)\.(\d+)\.(\w+)$")  # an expert's Linear, as moe.make_quantizable names it
-TOP_K = ("num_experts_per_tok", "moe_top_k", "top_k", "num_selected_experts")  # config names of experts per token
+# config names of experts per token
+TOP_K = ("num_experts_per_tok", "moe_top_k", "top_k", "num_selected_experts", "top_k_experts")
 
 
 def register(*model_types: str):
@@ -60,6 +61,7 @@ class Family:
 
     stack = "layers"  # the decoder's attribute holding its layers (a ModuleList)
     layer_outputs = 1  # how many values the decoder takes from each layer's call (hidden states first)
+    carried: tuple[str, ...] = ()  # layer arguments that ride with the hidden states (riders.py), per sample
     # Sibling Linears that read one input, and so share one Hessian (vLLM merges each set into one matrix).
     shared_inputs = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
     # Siblings that share NVFP4's global scale: the peer's FUSED_LAYER_NAMES (llmcompressor/observers/helpers.py),
@@ -99,6 +101,17 @@ class Family:
         if getattr(decoder, "rotary_emb", None) is not None:
             out["rotary_emb"] = type(decoder.rotary_emb)(config=decoder.config)
         return out
+
+    def stream(self, hidden: torch.Tensor, calls: list[dict]) -> torch.Tensor:
+        """Layer 0's input for a batch, from its embedded `hidden` states and the decoder's call of each layer (its
+        arguments by name): what the layer loop carries from layer to layer. The hidden states alone, unless the
+        family's layers take per-sample values besides them (riders.py)."""
+        return hidden
+
+    def ride(self, layer: torch.nn.Module, index: int):
+        """Make loaded decoder layer `index` take and give what `stream` starts: hooks that unpack what rides with
+        its hidden states into the arguments it takes (`carried`) and pack what later layers need after its output
+        (riders.ride). Nothing for a family whose layers take the hidden states alone."""
 
     def input_key(self, all_experts: bool) -> Callable[[str], Hashable]:
         """What a quantized module reads, as a key (modules with one key share one Hessian): the siblings of
@@ -163,12 +176,12 @@ class Family:
 
     def default_ignores(self, skeleton: torch.nn.Module) -> list[str]:
         """Linear modules kept in high precision whatever the recipe targets: those outside the language model's
-        decoder (a vision tower, a multimodal projector, lm_head), which calibration on text never reaches; and in
-        MoE blocks those that decide routing rather than compute: beside the experts, with one output per expert (a
-        router, such as PhiMoE's `router` or HunYuan's `gate.wg`) or a single one (a shared expert's gate, such as
-        Qwen2-MoE's `shared_expert_gate`). vLLM builds those unquantized, and transformers cannot initialize a
-        quantized router (PhiMoE's)."""
-        inside = {id(m) for m in self.decoder(skeleton).modules()}
+        decoder layers (a vision tower, a multimodal projector, lm_head, Gemma 4's projection of the per-layer
+        inputs), which calibration never reaches; and in MoE blocks those that decide routing rather than compute:
+        beside the experts, with one output per expert (a router, such as PhiMoE's `router` or HunYuan's `gate.wg`)
+        or a single one (a shared expert's gate, such as Qwen2-MoE's `shared_expert_gate`). vLLM builds those
+        unquantized, and transformers cannot initialize a quantized router (PhiMoE's)."""
+        inside = {id(m) for m in self.layers(self.decoder(skeleton)).modules()}
         dense = [n for n, m in skeleton.named_modules() if isinstance(m, torch.nn.Linear) and id(m) not in inside]
         containers = {n: len(m) for n, m in skeleton.named_modules() if isinstance(m, Experts)}
         for name in self.unsplit_experts(skeleton):  # JetMoE's routers, beside experts that stay fused
@@ -182,6 +195,11 @@ class Family:
     def stored_names(self, skeleton: torch.nn.Module, checkpoint_names) -> dict[str, str]:
         """Skeleton tensor name -> the checkpoint's, for the names that differ: transformers' conversion mappings."""
         return stored_names.stored_names(skeleton, checkpoint_names)
+
+    def assembled(self, skeleton: torch.nn.Module, checkpoint_names) -> dict[str, tuple[list[str], int]]:
+        """Skeleton tensor name -> (the checkpoint tensors concatenated into it, the dimension): transformers'
+        conversion mappings."""
+        return stored_names.assembled(skeleton, checkpoint_names)
 
     def fused_in_checkpoint(self, skeleton: torch.nn.Module, checkpoint_names) -> dict[str, tuple[str, str]]:
         """Checkpoint name -> (experts container, its fused parameter) for tensors stored fused where the skeleton

@@ -16,10 +16,11 @@ import torch
 import transformers
 from compressed_tensors.quantization import QuantizationConfig
 from transformers.conversion_mapping import get_model_conversion_mapping
-from transformers.core_model_loading import WeightConverter, rename_source_key
+from transformers.core_model_loading import WeightConverter
 from transformers.quantizers.auto import get_hf_quantizer
 
 from elastic_oneshot.errors import UsageError
+from elastic_oneshot.models import stored_names
 from elastic_oneshot.models.family import family_for
 from elastic_oneshot.models.source import SourceModel, _read_header
 
@@ -74,7 +75,7 @@ def _load_keys(model, quantizer, names: set[str]) -> tuple[list[str], list[str]]
     transforms = get_model_conversion_mapping(model, None, quantizer)
     renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
-    loaded = {rename_source_key(n, renamings, converters, model.base_model_prefix, expected)[0] for n in names}
+    loaded = {stored_names.loaded_name(n, renamings, converters, model.base_model_prefix, expected)[0] for n in names}
     for key in loaded & expected.keys():  # marked as the loader marks what it loaded: initialization skips them
         model.get_parameter_or_buffer(key)._is_hf_initialized = True
     tied = model.all_tied_weights_keys or {}

@@ -4,6 +4,7 @@ import contextlib
 import copy
 import functools
 import hashlib
+import inspect
 import json
 import logging
 import os
@@ -51,22 +52,29 @@ def teach_transformers(path: str):
 
 
 def _build_buffers(skeleton: torch.nn.Module):
-    """Buffers the checkpoint does not carry (Gemma's embed_scale, Falcon-H1's mup_vector), built as transformers
-    builds them: by the model's own weight initialization, which may set a module's buffers from an ancestor
-    (Falcon-H1's model sets its mixers'); the parameters stay on the meta device. A buffer it leaves unset (still
-    NaN) goes back to meta, so that loading its layer is refused rather than run on garbage."""
+    """Buffers the checkpoint does not carry (Gemma's embed_scale, MiniCPM3's integer one, Falcon-H1's mup_vector),
+    built as transformers builds them: by the model's own weight initialization, which may set a module's buffers
+    from an ancestor (Falcon-H1's model sets its mixers'); the parameters stay on the meta device. It runs twice, on
+    buffers of zeros and of ones: one whose value depends on which (left unset) goes back to meta, so that loading
+    its layer is refused rather than run on garbage."""
     stored = set(skeleton.state_dict())
-    built = []
-    for name, module in skeleton.named_modules():
-        for leaf, b in module.named_buffers(recurse=False):
-            if b.is_meta and b.is_floating_point() and f"{name}.{leaf}".lstrip(".") not in stored:
-                module._buffers[leaf] = torch.full_like(b, float("nan"), device="cpu")
-                built.append((module, leaf))
-    if built:
+    built = [(module, leaf) for name, module in skeleton.named_modules()
+             for leaf, b in module.named_buffers(recurse=False)
+             if b.is_meta and f"{name}.{leaf}".lstrip(".") not in stored]
+    if not built:
+        return
+    fresh = [m for m in skeleton.modules() if not getattr(m, "_is_hf_initialized", False)]
+    runs = []
+    for fill in (0, 1):
+        for module, leaf in built:
+            module._buffers[leaf] = torch.full_like(module._buffers[leaf], fill, device="cpu")
+        for module in fresh:  # initialization marks what it has done, and skips it after
+            module.__dict__.pop("_is_hf_initialized", None)
         skeleton.initialize_weights()
-    for module, leaf in built:
-        if module._buffers[leaf].isnan().any():
-            module._buffers[leaf] = module._buffers[leaf].to("meta")
+        runs.append([module._buffers[leaf] for module, leaf in built])
+    for (module, leaf), first, second in zip(built, *runs):
+        if not torch.equal(first, second):
+            module._buffers[leaf] = second.to("meta")
 
 
 def _tied_groups(module: torch.nn.Module) -> list[tuple[list[str], torch.Tensor]]:
@@ -170,6 +178,11 @@ class SourceModel:
         view.update({n: self.files[stored] for n, (stored, _, _) in self.fused.items()})
         return view
 
+    @functools.cached_property
+    def assembled(self) -> dict[str, tuple[list[str], int]]:
+        """Skeleton tensor name -> (the checkpoint's tensors concatenated into it, the dimension)."""
+        return self.family.assembled(self.skeleton, self.files)
+
     def check_weights(self):
         """Before any work: every tensor that a layer or the export reads is in a readable shard, with the shape
         the config implies (tied weights need one of their names)."""
@@ -182,6 +195,9 @@ class SourceModel:
             split = self.skeleton.get_submodule(container).unfused(param, torch.empty(shapes[stored], device="meta"))
             shapes.update({f"{container}.{k}": tuple(v.shape) for k, v in split.items()})
             where.update({f"{container}.{k}": where[stored] for k in split})
+        for name, (parts, dim) in self.assembled.items():
+            shapes[name] = tuple(torch.cat([torch.empty(shapes[p], device="meta") for p in parts], dim).shape)
+            where[name] = where[parts[0]]
         for names, tensor in _tied_groups(self.skeleton):
             present = [n for n in names if self.stored_name(n) in shapes]
             if not present:
@@ -233,11 +249,18 @@ class SourceModel:
             h.update(_read_header(shard))
         return h.hexdigest()
 
+    def stored_sources(self, name: str) -> list[str]:
+        """The checkpoint's tensors that skeleton tensor `name` is read from (a fused experts tensor as stored)."""
+        parts = self.assembled[name][0] if name in self.assembled else [self.stored_name(name)]
+        return [self.fused[p][0] if p in self.fused else p for p in parts]
+
     def read(self, names) -> dict[str, torch.Tensor]:
-        """Tensors by their skeleton names."""
-        stored = {n: self.stored_name(n) for n in names}
-        tensors = self.read_stored(list(stored.values()))
-        return {n: tensors[s] for n, s in stored.items()}
+        """Tensors by their skeleton names (concatenated from their parts where the checkpoint stores them so)."""
+        stored = {n: self.assembled[n][0] if n in self.assembled else [self.stored_name(n)] for n in names}
+        tensors = self.read_stored(list(dict.fromkeys(p for parts in stored.values() for p in parts)))
+        return {n: tensors[parts[0]] if len(parts) == 1 else torch.cat([tensors[p] for p in parts],
+                                                                       self.assembled[n][1])
+                for n, parts in stored.items()}
 
     def read_stored(self, names) -> dict[str, torch.Tensor]:
         """Tensors by the checkpoint's names (per expert for experts stored fused: see `weight_map`)."""
@@ -295,9 +318,10 @@ class SourceModel:
                            for e in layer.get_submodule(n)), default=0)
 
     def load_layer(self, index: int, device="cpu", budget: int | None = None) -> torch.nn.Module:
-        """Decoder layer `index` on `device`. Where its weights would take more than half of `budget` (bytes),
-        its streamable experts are streamed (moe.Experts.streamed): read a batch at a time by `hold`, or one at
-        a time when called (`fetch`: the original weights, until the caller sets another)."""
+        """Decoder layer `index` on `device`, taking and giving what rides with its hidden states (Family.ride).
+        Where its weights would take more than half of `budget` (bytes), its streamable experts are streamed
+        (moe.Experts.streamed): read a batch at a time by `hold`, or one at a time when called (`fetch`: the
+        original weights, until the caller sets another)."""
         prefix, layer = f"{self.layer_prefix}{index}.", self.layers[index]
         experts = self.streamable(index) if budget is not None and self._held_bytes(index, False) > budget // 2 else []
         module = self.load(layer, prefix, tuple(f"{n}." for n in experts))
@@ -306,6 +330,7 @@ class SourceModel:
             container = module.get_submodule(name)
             container.streamed = True
             container.fetch = functools.partial(self.expert, index, name, device=device)
+        self.family.ride(module, index)
         return module
 
     def expert(self, index: int, container: str, e: int, device="cpu", without: tuple[str, ...] = ()) -> dict:
@@ -365,10 +390,12 @@ class _Catcher(torch.nn.Module):
 
 class Embedder:
     """Layer 0's inputs from token ids, and the keyword arguments (position embeddings, masks) that
-    every decoder layer takes, produced by the model's own forward with the layers stubbed out."""
+    every decoder layer takes, produced by the model's own forward with the layers stubbed out. Arguments that
+    depend on the tokens are the family's to carry with the hidden states (Family.stream); any other is refused."""
 
     def __init__(self, source: SourceModel):
         decoder, family = source.decoder, source.family
+        self.source, self.family = source, family
         prefix = next(n for n, m in source.skeleton.named_modules() if m is decoder)
         shell = copy.deepcopy(decoder)
         self.record: list = []
@@ -388,6 +415,7 @@ class Embedder:
             raise UsageError(f"{type(decoder).__name__} has parameters outside its modules: unsupported "
                              "architecture")
         self.shell = shell.eval()
+        self._params = [_parameters(layer) for layer in source.layers]
         self._kwargs: dict[int, list[dict]] = {}
 
     def release(self):
@@ -396,27 +424,59 @@ class Embedder:
         self._embedded = False
 
     @torch.no_grad()
-    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Embedded hidden states for a batch of samples; caches the per-layer kwargs for its size."""
+    def _calls(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, list[dict]]:
+        """The embedded hidden states of a batch, and the arguments of each layer's call by name."""
         if not self._embedded:
             setattr(self.shell, self._embedding, self._load())
             self._embedded = True
         self.record.clear()
         self.shell(input_ids=input_ids, use_cache=False)
+        calls = [self._named(index, args, kw) for index, (_, args, kw) in enumerate(self.record)]
         hidden = self.record[0][0]
-        if input_ids.shape[0] not in self._kwargs:
-            self._kwargs[input_ids.shape[0]] = [self._layer_kwargs(args, kw) for _, args, kw in self.record]
         self.record.clear()
-        return hidden
+        return hidden, calls
 
-    @staticmethod
-    def _layer_kwargs(args, kwargs):
-        if args:
+    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Layer 0's input for a batch of samples: the embedded hidden states, with what rides with them."""
+        return self.family.stream(*self._calls(input_ids))
+
+    def _named(self, index: int, args: tuple, kwargs: dict) -> dict:
+        """A layer's call as arguments by name (GPTBigCode passes its encoder states by position)."""
+        params = self._params[index]
+        if len(args) > len(params):
             raise UsageError("decoder layers take positional arguments besides hidden states: "
                              "unsupported architecture")
-        return {k: v for k, v in kwargs.items() if k not in ("past_key_values", "past_key_value")}
+        return {**dict(zip(params, args)), **kwargs}
 
     def layer_kwargs(self, layer: int, batch: int, seq_len: int) -> dict:
+        """What layer `layer` takes besides its hidden states (and what rides with them), for `batch` samples of
+        `seq_len` tokens. The decoder is run on two batches of other tokens: an argument whose value differs is
+        per sample, and must ride with the hidden states."""
         if batch not in self._kwargs:
-            self(torch.zeros(batch, seq_len, dtype=torch.int64))
+            _, zeros = self._calls(torch.zeros(batch, seq_len, dtype=torch.int64))
+            _, ones = self._calls(torch.ones(batch, seq_len, dtype=torch.int64))
+            varying = sorted({k for a, b in zip(zeros, ones) for k in a if k not in self.family.carried
+                              and not _same(a[k], b.get(k))})
+            if varying:
+                self.source.refuse(f"its decoder layers take {', '.join(varying)}, which depend on the tokens, "
+                                   "besides the hidden states")
+            drop = {"past_key_values", "past_key_value", *self.family.carried}
+            self._kwargs[batch] = [{k: v for k, v in call.items() if k not in drop} for call in zeros]
         return self._kwargs[batch][layer]
+
+
+def _parameters(layer: torch.nn.Module) -> list[str]:
+    """The names of a layer's positional parameters after the hidden states."""
+    params = list(inspect.signature(layer.forward).parameters.values())[1:]
+    return [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
+def _same(a, b) -> bool:
+    """Whether two arguments of a layer's call hold the same tensors (other values are not compared)."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, (tuple, list)):
+        return isinstance(b, (tuple, list)) and len(a) == len(b) and all(map(_same, a, b))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return True

@@ -1,11 +1,13 @@
 """Tensor names as the checkpoint stores them.
 
 transformers 5 renames some checkpoints' tensors as it loads them (Mixtral's `block_sparse_moe` becomes `mlp`) and
-fuses their per-expert Linear weights into 3D parameters (`experts.N.w1` and `w3` into `experts.gate_up_proj`), by
-the conversion mappings that `from_pretrained` applies. The skeleton holds each expert as Linear modules under
-transformers' module names (moe.Experts), so a skeleton tensor is found in the checkpoint by applying those same
-mappings to the checkpoint's names: the renamings as they are, the expert converters one expert at a time. The
-export writes the stored names back, which the same loader converts again (quantized experts included).
+fuses their per-expert Linear weights into 3D parameters (`experts.N.w1` and `w3` into `experts.gate_up_proj`), or
+concatenates several stored tensors into one (Kimi Linear's and OLMo hybrid's `q_conv1d`, `k_conv1d`, `v_conv1d` into
+`conv1d`), by the conversion mappings that `from_pretrained` applies. The skeleton holds each expert as Linear modules
+under transformers' module names (moe.Experts), so a skeleton tensor is found in the checkpoint by applying those same
+mappings to the checkpoint's names: the renamings as they are, the expert converters one expert at a time, and a
+concatenation by reading its parts. The export writes the stored names back, which the same loader converts again
+(quantized experts included).
 """
 
 import re
@@ -66,8 +68,40 @@ def _renamed(skeleton: torch.nn.Module, checkpoint_names) -> dict[str, str]:
     """Checkpoint name -> the name transformers' renamings give it."""
     renamings = [t for t in get_model_conversion_mapping(skeleton) if not isinstance(t, WeightConverter)]
     expected = skeleton.state_dict()
-    return {stored: rename_source_key(stored, renamings, [], skeleton.base_model_prefix, expected)[0]
+    return {stored: loaded_name(stored, renamings, [], skeleton.base_model_prefix, expected)[0]
             for stored in checkpoint_names}
+
+
+def loaded_name(key: str, renamings: list, converters: list, prefix: str, expected) -> tuple[str, str | None]:
+    """The name transformers' loader gives checkpoint tensor `key` (and the converter pattern it matched) for a
+    model whose tensors are `expected`: its conversions' renaming, unless that names no tensor of the model while
+    `key` itself is one, which the loader then keeps (DeepSeek-V4's renaming of `.norm.` to `.kv_norm.`, meant for
+    its attention's norms, would otherwise take the final `model.norm` too)."""
+    renamed, pattern = rename_source_key(key, renamings, converters, prefix, expected)
+    if renamed not in expected and key in expected:
+        return rename_source_key(key, [], [], prefix, expected)
+    return renamed, pattern
+
+
+def assembled(skeleton: torch.nn.Module, checkpoint_names) -> dict[str, tuple[list[str], int]]:
+    """Skeleton tensor name -> (the checkpoint tensors that transformers concatenates into it, in order; the
+    dimension), for converters that do only that (Kimi Linear's and OLMo hybrid's short convolutions)."""
+    transforms = get_model_conversion_mapping(skeleton)
+    renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
+    concatenations = [t for t in transforms if isinstance(t, WeightConverter) and len(t.target_patterns) == 1
+                      and len(t.source_patterns) > 1 and [type(op) for op in t.operations] == [Concatenate]]
+    expected = skeleton.state_dict()
+    parts: dict[str, dict[str, str]] = {}
+    for stored in checkpoint_names:
+        name, pattern = loaded_name(stored, renamings, concatenations, skeleton.base_model_prefix, expected)
+        if pattern is not None and name in expected:
+            parts.setdefault(name, {})[pattern] = stored
+    out = {}
+    for name, found in parts.items():
+        converter = next(c for c in concatenations if set(found) <= set(c.source_patterns))
+        if len(found) == len(converter.source_patterns):  # else the tensor is missing, as check_weights says
+            out[name] = ([found[p] for p in converter.source_patterns], converter.operations[0].dim)
+    return out
 
 
 def fused_in_checkpoint(skeleton: torch.nn.Module, checkpoint_names) -> dict[str, tuple[str, str]]:

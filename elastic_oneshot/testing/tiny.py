@@ -56,6 +56,25 @@ TINY_TYPE = {  # what a type needs besides: sizes it derives differently, or lay
                        moe_shared_expert_intermediate_size=32),
     "bamba": dict(attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16,
                   mamba_chunk_size=32),
+    # issue 45's types (tests/test_reach.py)
+    **{t: dict(num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16,
+               v_head_dim=16) for t in ("minicpm3",)},
+    "glm_moe_dsa": dict(num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=16,
+                        qk_nope_head_dim=16, v_head_dim=16, index_topk=8, index_head_dim=16, index_n_heads=2,
+                        indexer_types=["full", "shared"]),  # the second layer reuses the first's top-k
+    "deepseek_v4": dict(num_key_value_heads=1, q_lora_rank=32, o_lora_rank=32, o_groups=2, partial_rotary_factor=0.5,
+                        index_topk=8, index_head_dim=16, index_n_heads=2, mlp_layer_types=["hash_moe", "moe"],
+                        layer_types=["compressed_sparse_attention", "heavily_compressed_attention"],
+                        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16}),
+    "kimi_linear": dict(num_key_value_heads=4, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16,
+                        v_head_dim=16, linear_head_dim=32, linear_num_heads=2,
+                        layer_types=["linear_attention", "full_attention"]),
+    "gptj": dict(rotary_dim=8),
+    # Gemma 4: per-layer inputs of 32, and the last two of four layers reading the keys and values of the first two
+    "gemma4_text": dict(num_hidden_layers=4, hidden_size_per_layer_input=32, vocab_size_per_layer_input=512,
+                        global_head_dim=16, num_kv_shared_layers=2, sliding_window=16,
+                        layer_types=["sliding_attention", "full_attention"] * 2, num_experts=4, top_k_experts=2,
+                        moe_intermediate_size=32),
 }
 
 
