@@ -2,13 +2,16 @@
 (schemes.compressor): packed when solved, with the module's static activation qparams, and unpacked for every
 later forward pass (propagation and replay), so both see exactly the committed values."""
 
+import functools
+import types
+
 import torch
 from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
 from compressed_tensors.quantization import QuantizationScheme
 from compressed_tensors.quantization.lifecycle.forward import dequantize
 
 from elastic_oneshot.quantization.gptq import QParams, module_qparams
-from elastic_oneshot.quantization.schemes import FP4_SCALES, compressor, input_qparams, module_format
+from elastic_oneshot.quantization.schemes import FP4_SCALES, compressor, group_size, input_qparams, module_format
 
 
 def compress_module(weight: torch.Tensor, q: QParams, inputs: dict, scheme: QuantizationScheme) -> dict:
@@ -20,6 +23,23 @@ def compress_module(weight: torch.Tensor, q: QParams, inputs: dict, scheme: Quan
     if q.global_scale is not None:
         state["weight_global_scale"] = q.global_scale.to(torch.float32)
     return compressor(scheme).compress(state, scheme)
+
+
+def written_names(scheme: QuantizationScheme) -> tuple[str, ...]:
+    """The local names of the tensors a module of `scheme` is written as (weight_packed, weight_scale, ...): those
+    `compress_module` gives for a small weight (names do not depend on values), so that the export's names can be
+    checked before any work."""
+    return _written_names(scheme.model_dump_json())
+
+
+@functools.cache
+def _written_names(scheme_json: str) -> tuple[str, ...]:
+    scheme = QuantizationScheme.model_validate_json(scheme_json)
+    cols = max(128, group_size(scheme.weights) or 0)
+    weight = torch.linspace(-1, 1, 128 * cols).reshape(128, cols)
+    q = module_qparams({"m": types.SimpleNamespace(weight=weight)}, {"m": scheme.weights}, ())["m"]
+    inputs = input_qparams(scheme, torch.tensor([-1.0, 1.0]), weight.dtype)
+    return tuple(sorted(compress_module(weight, q, inputs, scheme)))
 
 
 def decompress_module(tensors: dict, scheme: QuantizationScheme, dtype: torch.dtype) -> torch.Tensor:

@@ -21,7 +21,9 @@ from elastic_oneshot.loop.data import calibration_samples
 from elastic_oneshot.loop.job import Job, job_record
 from elastic_oneshot.loop.runner import Runner
 from elastic_oneshot.models.default_model import default_model
+from elastic_oneshot.models.exportable import check_exportable
 from elastic_oneshot.models.source import SourceModel
+from elastic_oneshot.quantization.packing import written_names
 from elastic_oneshot.quantization.plan import describe, layer_groups, make_plan, parse_bytes
 from elastic_oneshot.quantization.recipe import Recipe
 from elastic_oneshot.quantization.recipe_loader import load_recipe
@@ -143,9 +145,10 @@ def _recipe(recipe, options: Recipe) -> Recipe:
 def _open(job: Job, state_dir: str, destination: Destination, coordinator: str | None, allow_long_seq: bool,
           collective_timeout: float):
     """Everything checkable before any work: where state and output go, the model's weights, the sequence
-    length, the output, the recipe against the model; then the state (an object store's retries within half the
-    collective timeout, so that peers wait them out), its records, the job's record and each quantized module's
-    scheme (computed once a run: the runner and the export take them)."""
+    length, the recipe against the model and the names of the checkpoint the export would write (exportable.py),
+    the output; then the state (an object store's retries within half the collective timeout, so that peers wait them
+    out), its records, the job's record and each quantized module's scheme (computed once a run: the runner and the
+    export take them)."""
     state = StateStore(state_dir, retry_s=collective_timeout / 2)
     check_locations(job.model, state, destination)
     records = open_records(state, coordinator)
@@ -153,10 +156,13 @@ def _open(job: Job, state_dir: str, destination: Destination, coordinator: str |
     source = SourceModel(job.model, job.trust_remote_code, job.attention)
     source.check_weights()
     check_seq_len(job.seq_len, source.config, source.family, allow_long_seq)
+    schemes = job.recipe.module_schemes(source.skeleton, source.family)
+    check_exportable(source, schemes, job.recipe.quantization_config(source.skeleton, schemes), written_names,
+                     job.trust_remote_code)
     record = job_record(job, source.digest(), source.num_layers)
     metrics.job(record["fingerprint"])
     destination.check(record["fingerprint"], state.root)
-    return job, state, records, source, record, job.recipe.module_schemes(source.skeleton, source.family)
+    return job, state, records, source, record, schemes
 
 
 def _record_faults(state: StateStore, world: World, runner: Runner):
