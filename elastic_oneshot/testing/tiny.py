@@ -70,6 +70,7 @@ TINY_TYPE = {  # what a type needs besides: sizes it derives differently, or lay
                         v_head_dim=16, linear_head_dim=32, linear_num_heads=2,
                         layer_types=["linear_attention", "full_attention"]),
     "gptj": dict(rotary_dim=8),
+    "granitemoeshared": dict(intermediate_size=32, shared_intermediate_size=32),
     # Gemma 4: per-layer inputs of 32, and the last two of four layers reading the keys and values of the first two
     "gemma4_text": dict(num_hidden_layers=4, hidden_size_per_layer_input=32, vocab_size_per_layer_input=512,
                         global_head_dim=16, num_kv_shared_layers=2, sliding_window=16,
