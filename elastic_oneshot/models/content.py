@@ -39,8 +39,8 @@ class Content:
             decoder = next(n for n, m in source.skeleton.named_modules() if m is source.decoder)
             skeleton += [f"{decoder}.{k}".lstrip(".") for k in source.decoder.state_dict()
                          if not k.startswith(f"{source.family.stack}.")]
-        stored = {n for name in skeleton for n in source.stored_sources(name)
-                  if n in source.files}  # not buffers built from the config, tied names the checkpoint omits
+        # as stored (in parts, or fused); not buffers built from the config, nor tied names the checkpoint omits
+        stored = {n for name in skeleton for n in source.stored_sources(name) if n in source.files}
         return tuple(sorted(stored))
 
     def files(self, layer: int) -> list[str]:
