@@ -78,11 +78,20 @@ def table(request):
 
 
 def tiny(path, model_type: str, moe: bool, monkeypatch) -> str:
-    """The tiny model of the type; Gemma 4's MoE with its MoE block on (and keys equal to values in full attention)."""
+    """The tiny model of the type; Gemma 4's MoE with its MoE block on (and keys equal to values in full attention);
+    DeepSeek-V4's table from token id to experts (its hash routing) drawn, where the config class leaves it zeros."""
     if model_type == "gemma4_text" and moe:
         monkeypatch.setitem(TINY_TYPE, model_type, {**TINY_TYPE[model_type], "enable_moe_block": True,
                                                     "attention_k_eq_v": True})
-    return make_tiny(str(path / f"{model_type}{'_moe' if moe else ''}"), model_type, moe=moe)
+    model = make_tiny(str(path / f"{model_type}{'_moe' if moe else ''}"), model_type, moe=moe)
+    if model_type == "deepseek_v4":
+        weights = load_file(os.path.join(model, "model.safetensors"))
+        draw = torch.Generator().manual_seed(0)
+        for name in [n for n in weights if n.endswith(".tid2eid")]:
+            vocab, top_k = weights[name].shape
+            weights[name] = torch.stack([torch.randperm(4, generator=draw)[:top_k] for _ in range(vocab)])
+        save_file(weights, os.path.join(model, "model.safetensors"), metadata={"format": "pt"})
+    return model
 
 
 def fresh_load(out: str, ids: torch.Tensor, tmp_path, teach: bool = False) -> tuple[dict, torch.Tensor]:
