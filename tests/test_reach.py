@@ -7,13 +7,15 @@ GPTBigCode (`transformer.h` stacks), GraniteMoeShared. Tiny random models of eac
 nothing missing or unexpected, generate there, and their logits there are closer to the original's than those of
 round-to-nearest from the same qparams on the same tokens (as tests/test_spine.py measures it).
 
-Beside them: the layer loop's call of each layer gives transformers' own hidden states bit for bit; a decoder whose
+Beside them: the layer loop's call of each layer gives transformers' own hidden states bit for bit; what rides with
+the hidden states gives the same bytes at two ranks and after replays from a boundary or the embeddings; a decoder whose
 layers take arguments that depend on the tokens is refused unless its family carries them; and a checkpoint the
 export's guard would refuse by its names is refused before any work (DeepSeek-V4's `model.norm.weight`)."""
 
 import glob
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -32,7 +34,7 @@ from elastic_oneshot.models.moe import Experts
 from elastic_oneshot.models.source import Embedder, SourceModel
 from elastic_oneshot.quantization import gptq
 from elastic_oneshot.quantization.recipe import Recipe
-from elastic_oneshot.testing.runs import packed_modules
+from elastic_oneshot.testing.runs import packed_modules, run_world, tree_digest
 from elastic_oneshot.testing.tiny import TINY_TYPE, make_tiny
 
 TYPES = [("gemma4_text", False), ("gemma4_text", True), ("deepseek_v4", True), ("glm_moe_dsa", True),
@@ -232,3 +234,27 @@ def test_a_checkpoint_the_guard_would_refuse_is_refused_before_any_work(tmp_path
         oneshot(model=model, num_calibration_samples=8, max_seq_length=32, group_size=32,
                 output_dir=str(tmp_path / "out"))
     assert not os.path.exists(tmp_path / "out") and not os.path.exists(tmp_path / "out.state")
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("model_type, moe", [("gemma4_text", False), ("glm_moe_dsa", True), ("deepseek_v4", True)])
+def test_what_rides_gives_the_same_bits_at_two_ranks_and_after_replays(model_type, moe, tmp_path, monkeypatch):
+    """The stream that rides with the hidden states (Gemma 4's per-layer inputs and shared keys and values, GLM-DSA's
+    top-k indices, DeepSeek-V4's token ids) is written to boundaries and replayed through committed layers: two
+    ranks, a last layer redone from its boundary, and one redone from the embeddings write the same bytes."""
+    model = tiny(tmp_path, model_type, moe, monkeypatch)
+    job = ["--num-samples", SAMPLES, "--seq-len", SEQ, "--group-size", GROUP, "--chunk-size", 4, "--boundary-every", 1]
+    run_world(1, model, tmp_path / "w1", job)
+    reference = tree_digest(tmp_path / "w1")
+    run_world(2, model, tmp_path / "w2", job)
+    assert tree_digest(tmp_path / "w2") == reference
+    state, last = tmp_path / "w1.state", SourceModel(model).num_layers - 1
+    for replay in ("boundary", "embeddings"):
+        os.remove(*glob.glob(str(state / "commits" / f"{last:05d}.*.json")))
+        if replay == "embeddings":
+            shutil.rmtree(state / "boundaries")
+        shutil.rmtree(tmp_path / "w1")
+        log = run_world(1, model, tmp_path / "w1", job).stderr
+        assert (f"replayed layers 0..{last - 1}" in log) == (replay == "embeddings"), log[-2000:]
+        assert tree_digest(tmp_path / "w1") == reference, replay
