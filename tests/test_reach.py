@@ -4,8 +4,9 @@ routing its first layers, hyper-connected hidden states), GLM-MoE-DSA (top-k ind
 Kimi Linear and OLMo hybrid (short convolutions stored in parts), MiniCPM3 (an integer buffer built), BLOOM, GPT-J and
 GPTBigCode (`transformer.h` stacks), GraniteMoeShared. Tiny random models of each are compressed with GPTQ everywhere
 (no module fell back to round-to-nearest), loaded in a fresh interpreter that never imported elastic_oneshot with
-nothing missing or unexpected, generate there, and their logits there are closer to the original's than those of
-round-to-nearest from the same qparams on the same tokens (as tests/test_spine.py measures it).
+nothing missing or unexpected (but the fused experts of Gemma 4's MoE and GraniteMoeShared: FRESH_FUSED), generate
+there, and their logits there are closer to the original's than those of round-to-nearest from the same qparams on the
+same tokens (as tests/test_spine.py measures it).
 
 Beside them: the layer loop's call of each layer gives transformers' own hidden states bit for bit; what rides with
 the hidden states gives the same bytes at two ranks and after replays from a boundary or the embeddings; a decoder whose
