@@ -3,8 +3,9 @@ running min and max of the input of groups whose input activations are static (t
 observer, on the raw inputs: the peer calibrates with quantization disabled).
 
 Within a chunk the Hessian is summed in fp32, as the peer sums; across chunks in fp64 (see
-gptq.hessian_add), so the total hardly depends on how chunks are split across ranks. Min and max are exact,
-so their reduction across ranks (executor.py) does not depend on the split at all.
+gptq.hessian_add), so the total hardly depends on how chunks are split across ranks. Both are kept as their lower
+triangle (gptq.Lower): half the memory of the whole matrices. Min and max are exact, so their reduction across
+ranks (executor.py) does not depend on the split at all.
 """
 
 import math
@@ -22,16 +23,16 @@ class _Stop(Exception):
 
 class Calibration:
     """Forward pre-hooks on a layer's quantized modules; `run` feeds one sample, `end_chunk` folds the
-    chunk's fp32 partial sums into the fp64 totals. `schemes`: group leader -> its QuantizationScheme; the
-    input range of groups with static input activations is kept (`ranges`: leader -> [min, max], input dtype)."""
+    chunk's fp32 partial sums into the fp64 totals (`hessian`: leader -> gptq.Lower). `schemes`: group leader ->
+    its QuantizationScheme; the input range of groups with static input activations is kept (`ranges`: leader ->
+    [min, max], input dtype)."""
 
     def __init__(self, layer: torch.nn.Module, groups: list[list[str]], device, seq_len: int, schemes: dict):
         modules = dict(layer.named_modules())
         self.ranges = {g: torch.tensor([math.inf, -math.inf], dtype=modules[g].weight.dtype, device=device)
                        for g, scheme in schemes.items() if static_inputs(scheme)}
-        self.hessian = {g[0]: torch.zeros(modules[g[0]].in_features, modules[g[0]].in_features,
-                                          dtype=torch.float64, device=device) for g in groups}
-        self.chunk = {g: torch.zeros_like(h, dtype=torch.float32) for g, h in self.hessian.items()}
+        self.hessian = {g[0]: gptq.Lower(modules[g[0]].in_features, torch.float64, device) for g in groups}
+        self.chunk = {g: gptq.Lower(h.d, torch.float32, device) for g, h in self.hessian.items()}
         self.seconds, self.seq_len = 0.0, seq_len
         self.order: list[str] = []
         self.last = None
@@ -72,7 +73,7 @@ class Calibration:
     def end_chunk(self):
         for leader, partial in self.chunk.items():
             gptq.fold(self.hessian[leader], partial)
-            partial.zero_()
+            partial.packed.zero_()
 
     def remove(self):
         for h in self._handles:
