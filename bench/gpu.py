@@ -20,9 +20,10 @@ seconds are its own, but the Hessians' share of calibration is host time (the ho
 llmcompressor (the GPU machine lacks it unless the wheelhouse brought it: `launch/wheelhouse.sh --peer`), ours runs
 alone and the peer is reported as skipped.
 
-On the GPU machine (docs/operations.md, "A GPU session": one device `run` per step, carrying .wheelhouse/):
+On the GPU machine (docs/operations.md, "A GPU session": one device `run` for all of it, carrying .wheelhouse/):
     launch/wheelhouse.sh --peer                # here, before: .wheelhouse/ (git-ignored)
-    bash launch/gpu_session.sh llama3-8b       # there: installs it, then this bench for one model at full size
+    bash launch/gpu_session.sh all             # there: installs it, then this bench for each model under a deadline,
+                                               # each side's figures merged into $OUT/result.json as it ends (--result)
 """
 
 import argparse
@@ -180,14 +181,14 @@ def bench(name: str, a, env: dict, peer: bool) -> dict:
                                        str(seq_len), "--group-size", "128", "--chunk-size", str(a.chunk_size),
                                        "--boundary-every", every], a.log or os.path.join(work, f"ours-{every}.log"),
                               os.path.join(work, f"ours-{every}.json"), env)
+        kept(**{"ours": runs[every]} if output == out else {}, boundary_runs={k: v["wall"] for k, v in runs.items()})
         runs[every]["phases"] = phases(output + ".state")
         print(f"ours (--boundary-every {every}): {runs[every]['wall']:.1f} s, peak GPU memory "
               f"{runs[every]['peak_gpu_bytes'] / 2**30:.2f} GB", flush=True)
-        kept(boundary_runs={k: v["wall"] for k, v in runs.items()})
+        kept()
         return runs[every]
 
     ours = run_ours("auto" if a.durability else a.boundary_every, out)
-    kept(ours=ours)
     theirs = None
     if peer:
         shutil.rmtree(peer_out, ignore_errors=True)
@@ -320,7 +321,11 @@ def main():
     if a.memory_trace:
         env["ELASTIC_ONESHOT_MEMORY_TRACE"] = "1"
     t = time.perf_counter()
-    subprocess.run([sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--prepare-only"], check=True, env=env)
+    if a.tiny:  # on the CPU: no GPU for this process to keep hold of
+        prepare(names, a)
+    else:
+        subprocess.run([sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--prepare-only"], check=True,
+                       env=env)
     print(f"models and tokens ready in {time.perf_counter() - t:.0f} s", flush=True)
     peer = not a.skip_peer and gpu.peer_available()
     results = [bench(name, a, env, peer) for name in names]
