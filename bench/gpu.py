@@ -263,14 +263,16 @@ def paper_ops(name: str, a, env: dict):
     print(f"\n{name}: our layer{' (tiny)' if a.tiny else ''}, {samples} x {seq_len} tokens, on paper: each operation "
           f"{H100['launch'] * 1e6:.0f} us, {H100['flops'] / 1e12:.0f} TFLOP/s, {H100['bytes'] / 1e12:.0f} TB/s "
           "(an H100)")
-    print(f"  {'':12}{'ops':>10}{'TFLOP':>10}{'GB moved':>10}{'syncs':>8}{'modeled s':>11}")
-    total = {"ops": 0, "flops": 0, "bytes": 0}
+    print(f"  {'':12}{'ops':>10}{'in graphs':>11}{'TFLOP':>10}{'GB moved':>10}{'syncs':>8}{'modeled s':>11}")
+    total = {"ops": 0, "flops": 0, "bytes": 0, "graphed": 0}
     for ph in PAPER_PHASES:
         p = got["phases"].get(ph)
         if p:
-            print(f"  {ph:12}{p['ops']:10}{p['flops'] / 1e12:10.2f}{p['bytes'] / 1e9:10.1f}{p['syncs']:8}"
-                  f"{modeled(p):11.2f}")
+            print(f"  {ph:12}{p['ops']:10}{p['graphed']:11}{p['flops'] / 1e12:10.2f}{p['bytes'] / 1e9:10.1f}"
+                  f"{p['syncs']:8}{modeled(p):11.2f}")
             total = {k: total[k] + p[k] for k in total}
+    print("  (ops: launched by the host, a CUDA graph's replay one of them; in graphs: the kernels those replays run, "
+          "whose bytes and FLOPs count)")
     print("  operations counted most: " + ", ".join(f"{op} {n}" for op, n in got["ops_by_name"]))
     print(f"modeled {name}: {modeled(total):.2f} s per layer on an H100 ({total['ops']} ops, "
           f"{total['flops'] / 1e12:.1f} TFLOP, {total['bytes'] / 1e9:.1f} GB)", flush=True)

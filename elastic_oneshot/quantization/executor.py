@@ -35,7 +35,7 @@ from elastic_oneshot.quantization.recipe import Recipe
 log = logging.getLogger("elastic_oneshot")
 
 
-def _batches(items: list, key, size, limit: int = 2**27) -> list[list]:
+def _batches(items: list, key, size, limit: int) -> list[list]:
     """Items of equal `key` in batches whose total `size` (elements) stays under `limit`, in order."""
     out, open_ = [], {}
     for item in items:
@@ -103,8 +103,10 @@ class Executor:
         self.owners = plan.owners()
         self.spread = {s.group.name for s in plan.steps if s.kind == StepKind.PANEL}  # every rank factors a piece
         wholes = [s for s in plan.steps if s.kind == StepKind.WHOLE and s.rank == world.rank]
+        limit = gptq.SOLVE_ELEMENTS if world.device.type == "cpu" else gptq.DEVICE_SOLVE_ELEMENTS
         self.batch_of = {id(s): b for b in _batches(wholes, self._batch_key,
-                                                    lambda s: s.group.cols * (s.group.rows + s.group.cols)) for s in b}
+                                                    lambda s: s.group.cols * (s.group.rows + s.group.cols), limit)
+                         for s in b}
         self.hessian: dict[str, torch.Tensor] = {}  # normalized, of the groups this rank factors
         self.shared: dict[str, SharedFactor] = {}
         self.results: dict[str, torch.Tensor] = {}  # every group's solved rows (a shared group's, step by step)
@@ -237,7 +239,7 @@ class Executor:
         each pass's rows taken from the modules' weights as it starts: no copy of a whole group's rows is made
         (an MoE layer's gate/up group, shared by every expert in all-experts calibration, holds all of theirs)."""
         args, (scale, zero_point) = self.args[steps[0].group.name], self._scales(steps)
-        for lo, hi in gptq.passes(*out.shape):
+        for lo, hi in gptq.passes(*out.shape, out.device):
             rows = gptq.as_batch([self._rows(s, lo, hi) for s in steps])
             gptq.solve(rows, prep, args, self.block, scale[:, lo:hi],
                        None if zero_point is None else zero_point[:, lo:hi], out=out[:, lo:hi])

@@ -34,7 +34,8 @@ from elastic_oneshot.quantization.cholesky import (
 
 log = logging.getLogger(__name__)
 DAMPING_RETRIES = 3  # each retry multiplies the damping fraction by 10
-SOLVE_ELEMENTS = 2**27  # weights per pass of `solve`
+SOLVE_ELEMENTS = 2**27  # weights per pass of `solve` on the host (a pass's fp32 copies, 512 MB each at most)
+DEVICE_SOLVE_ELEMENTS = 2**29  # and on an accelerator, where each pass is ~10 launches per column (2 GB copies)
 
 
 HESSIAN_BLOCK = 192  # rows per block of the lower triangle on the host
@@ -48,12 +49,19 @@ class Lower:
     same strips with one add. Strips of HESSIAN_BLOCK rows on the host (hessian_add's row blocks), DEVICE_STRIP on
     an accelerator."""
 
-    def __init__(self, d: int, dtype: torch.dtype, device):
+    def __init__(self, d: int, dtype: torch.dtype, device, packed: torch.Tensor | None = None):
+        """`packed`: the buffer to use (`size` elements, zeros), a view of a larger one, say; else a new one."""
         rows = HESSIAN_BLOCK if torch.device(device).type == "cpu" else DEVICE_STRIP
         self.d = d
         self.spans = [(r, min(r + rows, d)) for r in range(0, d, rows)]
         self.offsets = list(itertools.accumulate(((e - r) * e for r, e in self.spans), initial=0))
-        self.packed = torch.zeros(self.offsets[-1], dtype=dtype, device=device)
+        self.packed = torch.zeros(self.offsets[-1], dtype=dtype, device=device) if packed is None else packed
+
+    @staticmethod
+    def size(d: int, device) -> int:
+        """The elements of a Lower of d columns on `device`."""
+        rows = HESSIAN_BLOCK if torch.device(device).type == "cpu" else DEVICE_STRIP
+        return sum((min(r + rows, d) - r) * min(r + rows, d) for r in range(0, d, rows))
 
     def strip(self, i: int) -> torch.Tensor:
         """Rows spans[i] of the matrix, columns up to the strip's end: a view of `packed`."""
@@ -126,6 +134,16 @@ def _hessian_add_device(acc: "Lower | torch.Tensor", x: torch.Tensor):
         inp = math.sqrt(2) * seq.t().to(torch.float32)
         for i, (r, e) in enumerate(spans):
             _rows(acc, i, r, e).add_(inp[r:e].matmul(inp[:e].t()))
+
+
+def hessian_add_batch(acc: torch.Tensor, x: torch.Tensor):
+    """`hessian_add` on an accelerator for a batch of modules' inputs x [B, tokens, d] (each one set of tokens), into
+    acc [B, d, d] (each a whole matrix, or a Lower of one strip): one batched product for all of them."""
+    if x.dtype in (torch.bfloat16, torch.float16):
+        acc.add_(torch.bmm(x.mT, x, out_dtype=torch.float32), alpha=2)
+        return
+    inp = math.sqrt(2) * x.to(torch.float32)
+    acc += torch.bmm(inp.mT, inp)
 
 
 def _spans(acc: "Lower | torch.Tensor", rows: int) -> list[tuple[int, int]]:
@@ -357,7 +375,7 @@ def solve(weight: torch.Tensor, prep: Prepared, args: QuantizationArgs, block_si
     if scale is None:
         scale, zero_point = qparams(weight, args)
         zero_point = None if args.symmetric else zero_point
-    ranges = passes(*weight.shape)
+    ranges = passes(*weight.shape, weight.device)
     if out is None and len(ranges) == 1:
         return _solve_rows(weight, prep, args, block_size, scale, zero_point)
     out = torch.empty_like(weight) if out is None else out
@@ -368,10 +386,11 @@ def solve(weight: torch.Tensor, prep: Prepared, args: QuantizationArgs, block_si
     return out
 
 
-def passes(batch: int, rows: int, cols: int) -> list[tuple[int, int]]:
-    """The row ranges `solve` takes at a time: at most SOLVE_ELEMENTS weights of the batch each (a pass's fp32
-    copies of them, 512 MB each at most)."""
-    step = max(1, SOLVE_ELEMENTS // (batch * cols))
+def passes(batch: int, rows: int, cols: int, device="cpu") -> list[tuple[int, int]]:
+    """The row ranges `solve` takes at a time: at most SOLVE_ELEMENTS weights of the batch each on the host,
+    DEVICE_SOLVE_ELEMENTS on an accelerator (rows are independent: the passes do not change the bits)."""
+    limit = SOLVE_ELEMENTS if torch.device(device).type == "cpu" else DEVICE_SOLVE_ELEMENTS
+    step = max(1, limit // (batch * cols))
     return [(lo, min(lo + step, rows)) for lo in range(0, rows, step)]
 
 
@@ -395,7 +414,7 @@ def _solve_rows(weight: torch.Tensor, prep: Prepared, args: QuantizationArgs, bl
         window = g_idx[:, i1:i2].unsqueeze(-2).expand(-1, rows, -1)
         block = [W[:, :, i1:i2].clone(), torch.zeros(batch, rows, i2 - i1, device=W.device), Hinv[:, i1:i2, i1:i2],
                  torch.gather(scale, -1, window), None if zero_point is None else torch.gather(zero_point, -1, window)]
-        if graphed is None and W.is_cuda and full and cols > block_size:
+        if graphed is None and _graphable(W) and full and cols > block_size:
             graphed = _GraphedLoop.capture(block, column_args) or False
         W1, Err1 = graphed(block) if graphed and full else _column_loop(*block, column_args)
         W[:, :, i1:i2] = W1
@@ -404,6 +423,10 @@ def _solve_rows(weight: torch.Tensor, prep: Prepared, args: QuantizationArgs, bl
     if args.actorder:
         W = torch.gather(W, -1, torch.argsort(perm, dim=-1).unsqueeze(-2).expand(-1, rows, -1))
     return W.to(weight.dtype)
+
+
+def _graphable(W: torch.Tensor) -> bool:
+    return W.is_cuda
 
 
 def _column_loop(W1, Err1, Hinv1, col_scale, col_zp, column_args) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,8 +8,9 @@ with static activation order, eager attention, and every expert calibrated on ev
 own per-layer steps, in its own order:
 
     ours   runner.py's process(): Calibration's hooks over this rank's chunks, one sample at a time (the Hessian
-           sums in gptq.hessian_add and gptq.fold), Executor.run on a world of one, the compressed tensors of
-           each solved group kept on the device, and propagation through the unpacked weights, a chunk at a time
+           sums in gptq.hessian_add and gptq.fold), Executor.run on a world of one (the column loop captured and
+           replayed as a CUDA graph, as on a CUDA device), the compressed tensors of each solved group kept on the
+           device, and propagation through the unpacked weights, a chunk at a time
     peer   its sequential pipeline for one subgraph: GPTQModifier's hooks over every sample (its
            accumulate_hessian), on_sequential_epoch_end (observers, then compress_modules in its batches, sized
            as "auto" sizes them on an 80 GB H100 with what the layer already holds), then the propagation pass
@@ -93,6 +94,33 @@ def _hessian_phase(ledger: Ledger, module, *names):
         yield
 
 
+@contextlib.contextmanager
+def _paper_graphs(ledger: Ledger):
+    """Inside, GPTQ's column loop is captured and replayed as on a CUDA device (gptq._GraphedLoop), on paper: the
+    capture runs the block's loop twice (its warm-up, then its recording, each op dispatched), and each replay is
+    one launch of those kernels (Ledger.replay)."""
+    from elastic_oneshot.quantization import gptq
+
+    class PaperGraph(gptq._GraphedLoop):
+        @classmethod
+        def capture(cls, block: list, column_args):
+            static = [None if t is None else t.clone() for t in block]
+            for _ in range(2):
+                gptq._column_loop(*static, column_args)
+            return cls(static, column_args)
+
+        def __call__(self, block: list):
+            for mine, new in zip(self.static, block):
+                if mine is not None:
+                    mine.copy_(new)
+            with ledger.replay():
+                gptq._column_loop(*self.static, self.graph)
+            return self.static[0], self.static[1]
+
+    with mock.patch.object(gptq, "_GraphedLoop", PaperGraph), mock.patch.object(gptq, "_graphable", lambda w: True):
+        yield
+
+
 def _host_inputs(n: int, seq_len: int, hidden: int, dtype) -> torch.Tensor:
     return torch.empty(n, seq_len, hidden, dtype=dtype)  # paper, on the host
 
@@ -121,7 +149,8 @@ def ours(model_dir: str, samples: int, seq_len: int, ledger: Ledger, chunk_size:
     world = World()
     world.device = device
     chunks = chunk_bounds(samples, chunk_size)
-    with paper(ledger), torch.inference_mode(), _hessian_phase(ledger, gptq, "hessian_add", "fold"):
+    with paper(ledger), torch.inference_mode(), _paper_graphs(ledger), \
+            _hessian_phase(ledger, gptq, "hessian_add", "hessian_add_batch", "fold"):
         inputs = [_host_inputs(b - a, seq_len, source.config.hidden_size, source.dtype) for a, b in chunks]
         with ledger.phase("load"):
             module = _on_device(copy.deepcopy(source.layers[0]), device)

@@ -5,7 +5,8 @@ prints what it counts:
     memory   the bytes of the accelerator's live storages (a storage counts once, however many views share it, from
              its allocation to its release), peak by phase: what a caching allocator would hold at least
     ops      the operations that would launch a kernel (views and metadata excluded), their FLOPs (matrix products
-             and factorizations) and the bytes they read and write on the accelerator
+             and factorizations) and the bytes they read and write on the accelerator; a CUDA graph's replay
+             (`Ledger.replay`) is one launch, and its kernels are counted apart
 
 A paper tensor is a meta tensor that says it lives on the accelerator, `gpu` (torch's PrivateUse1 backend: CUDA's
 name is taken by a CPU build, whose CUDA tensors cannot be indexed): code that asks `is_cuda` takes its CPU branch,
@@ -45,6 +46,8 @@ TRUE_WHERE_UNKNOWN = {aten.isfinite}
 EMPTY = {aten.empty, aten.empty_strided, aten.empty_like, aten.new_empty}
 ABSOLUTE = {aten.as_strided.default, aten.as_strided_.default}  # views whose storage offset is an argument
 LINALG = {aten.linalg_cholesky_ex, aten.cholesky, aten.cholesky_inverse, aten.linalg_solve_triangular}
+PRODUCTS = {aten.mm: 0, aten.bmm: 0, aten.matmul: 0, aten.linear: 0, aten.addmm: 1, aten.baddbmm: 1}  # -> the
+# argument whose last dimension is the inner one (linear and matmul are composites, seen whole here)
 _SITES = ("elastic_oneshot", "llmcompressor", "compressed_tensors", "transformers")
 _ACTIVE: list = []  # the ledgers inside `paper`, innermost last
 
@@ -107,6 +110,8 @@ class Ledger(TorchDispatchMode):
         self.live, self.peak, self.phases = 0, 0, ["setup"]
         self.peaks: dict[str, int] = {}
         self.ops, self.flops, self.moved, self.syncs = Counter(), Counter(), Counter(), Counter()
+        self.graphed: Counter = Counter()  # kernels replayed in CUDA graphs (`replay`), by phase
+        self._replaying = False
         self.by_op: Counter = Counter()
         self.sites = sites
         self._storages: dict[int, tuple[int, str | None]] = {}  # id of a live storage -> (bytes, site)
@@ -125,12 +130,24 @@ class Ledger(TorchDispatchMode):
         finally:
             self.phases.pop()
 
+    @contextlib.contextmanager
+    def replay(self):
+        """Inside: the kernels of one CUDA graph's replay: one launch; the kernels' bytes and FLOPs count, and they
+        are counted as kernels in graphs (`graphed`), not as launches."""
+        self.ops[self.phases[-1]] += 1
+        self.by_op["CUDA graph replay"] += 1
+        self._replaying = True
+        try:
+            yield
+        finally:
+            self._replaying = False
+
     def report(self) -> dict:
-        """{"phases": {phase: {"peak", "ops", "flops", "bytes", "syncs"}} in order of first appearance, "peak": the
-        overall peak, "at_peak": `peak_sites()`}."""
+        """{"phases": {phase: {"peak", "ops", "graphed", "flops", "bytes", "syncs"}} in order of first appearance,
+        "peak": the overall peak, "at_peak": `peak_sites()`}."""
         names = [n for n in dict.fromkeys([*self.peaks, *self.ops]) if n != "setup"]
-        out = {n: {"peak": self.peaks.get(n, 0), "ops": self.ops[n], "flops": self.flops[n], "bytes": self.moved[n],
-                   "syncs": self.syncs[n]} for n in names}
+        out = {n: {"peak": self.peaks.get(n, 0), "ops": self.ops[n], "graphed": self.graphed[n],
+                   "flops": self.flops[n], "bytes": self.moved[n], "syncs": self.syncs[n]} for n in names}
         return {"phases": out, "peak": self.peak, "at_peak": self.peak_sites(), "assumed": dict(self.assumed)}
 
     # -- storages ---------------------------------------------------------------------------------------------
@@ -249,14 +266,17 @@ class Ledger(TorchDispatchMode):
             return
         phase = self.phases[-1]
         packet = func.overloadpacket
-        self.ops[phase] += 1
-        self.by_op[packet.__name__] += 1
+        if self._replaying:
+            self.graphed[phase] += 1
+        else:
+            self.ops[phase] += 1
+            self.by_op[packet.__name__] += 1
         self.syncs[phase] += sync
         self.moved[phase] += sum(t.numel() * t.element_size() for t in (*read.values(), *written))
         if packet in LINALG:
             self.flops[phase] += _linalg_flops(packet, args)
-        elif packet in (aten.linear, aten.matmul):  # composite, seen whole here
-            self.flops[phase] += 2 * outputs[0].numel() * args[0].shape[-1]
+        elif packet in PRODUCTS:  # 2 x each output x the inner dimension (out_dtype overloads included)
+            self.flops[phase] += 2 * outputs[0].numel() * args[PRODUCTS[packet]].shape[-1]
         elif packet in flop_registry:
             self.flops[phase] += flop_registry[packet](*args, **(kwargs or {}), out_val=out)
 
