@@ -148,7 +148,8 @@ class Experts(torch.nn.ModuleList):
             for e in self:
                 _pre_hooks(e.gate_proj, hidden_states)
                 _pre_hooks(e.up_proj, hidden_states)
-            inner = self.layout.gating(torch.matmul(hidden_states, gate.mT), torch.matmul(hidden_states, up.mT))
+            inner = self.layout.gating(*(torch.mm(hidden_states, w.flatten(0, 1).t()).unflatten(1, w.shape[:2])
+                                         .transpose(0, 1) for w in (gate, up)))  # [experts, tokens, inner]
             _pre_hooks_all([e.down_proj for e in self], inner)
             padded = inner.new_zeros(experts, max(counts), inner.shape[-1])
             padded[expert, row] = inner[expert, ids]
