@@ -37,14 +37,14 @@ setup() {  # [SECONDS]: the wheels of .wheelhouse/ (exact versions, resolved aga
     # into $WORK/site, within SECONDS
     local limit=${1:-600}
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
-    if ls .wheelhouse/*.whl >/dev/null 2>&1; then
+    if [ -z "${TINY:-}" ] && ls .wheelhouse/*.whl >/dev/null 2>&1; then  # (--tiny: the wheels are the GPU machine's)
         wheels=(); for w in .wheelhouse/*.whl; do [[ "$(basename "$w")" == elastic_oneshot-* ]] || wheels+=("$w"); done
         timeout -k 3 "$limit" "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
             --target "$WORK/site" "${wheels[@]}" >"$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; return 1; }
         export PYTHONPATH="$PYTHONPATH:$WORK/site"
         echo "installed ${#wheels[@]} wheels from .wheelhouse into $WORK/site"
     else
-        echo "no .wheelhouse/: this environment as it is (launch/wheelhouse.sh --peer brings the peer)" \
+        echo "this environment as it is (no .wheelhouse/, or --tiny; launch/wheelhouse.sh --peer brings the peer)" \
             | tee "$OUT/install.log"
     fi
     timeout -k 3 "$limit" "$PY" -c 'import sys, torch, transformers, compressed_tensors, importlib.util as u
@@ -95,7 +95,7 @@ case "$step" in
         # name, deadline in thousandths of the budget, command (the deadlines are end times: time a step leaves
         # goes to the next)
         if [ ${#tiny[@]} -gt 0 ]; then  # on CPU: tiny shapes, few tokens; the CUDA tests on the CPU
-            export CUDA_VISIBLE_DEVICES="" ELASTIC_ONESHOT_TEST_DEVICE=cpu
+            export CUDA_VISIBLE_DEVICES="" ELASTIC_ONESHOT_TEST_DEVICE=cpu TINY=1
             sizes=(--tiny --samples 4 --seq-len 64) trace=(--tiny --samples 4 --seq-len 64 --memory-trace) workers=2
         else
             export ELASTIC_ONESHOT_TEST_DEVICE=cuda  # the CUDA tests fail rather than skip without a GPU
