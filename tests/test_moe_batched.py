@@ -45,7 +45,7 @@ def test_all_experts_calibration_batched_gives_the_loops_hessians(layer, monkeyp
     at the last hooked module."""
     source, module = layer
     names = [n for n, m in module.named_modules() if isinstance(m, torch.nn.Linear) and "mlp.gate" != n]
-    groups = [[n for n, _ in g.modules] for g in layer_groups(module, names, source.family.shared_inputs, True)]
+    groups = [[n for n, _ in g.modules] for g in layer_groups(module, names, source.family.input_key(True))]
     x = torch.randn(2, TOKENS, source.config.hidden_size, generator=torch.Generator().manual_seed(2))
     kwargs = _kwargs(source)
     hessians, batches = [], []

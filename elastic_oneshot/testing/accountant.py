@@ -131,7 +131,7 @@ def ours(model_dir: str, samples: int, seq_len: int, ledger: Ledger, chunk_size:
     from elastic_oneshot.distributed.world import World
     from elastic_oneshot.loop.calibration import Calibration
     from elastic_oneshot.loop.data import chunk_bounds
-    from elastic_oneshot.loop.inputs import LayerInputs
+    from elastic_oneshot.loop.layer_step import LayerStep
     from elastic_oneshot.models.moe import experts_mode
     from elastic_oneshot.models.source import Embedder, SourceModel
     from elastic_oneshot.quantization import gptq
@@ -156,8 +156,7 @@ def ours(model_dir: str, samples: int, seq_len: int, ledger: Ledger, chunk_size:
         with ledger.phase("load"):
             module = _on_device(copy.deepcopy(source.layers[0]), device)
             kwargs = _to_paper(ledger, host_kwargs, device)
-        layer_inputs = types.SimpleNamespace(kwargs=lambda layer: kwargs)
-        groups = layer_groups(module, names, source.family.shared_inputs, all_experts=True)
+        groups = layer_groups(module, names, source.family.input_key(True))
         packing = LayerPacking(schemes, prefix, dict(module.named_modules()), names, {},
                                source.family.fused_scales)
         with ledger.phase("calibrate"):
@@ -184,7 +183,20 @@ def ours(model_dir: str, samples: int, seq_len: int, ledger: Ledger, chunk_size:
         with ledger.phase("propagate"):
             unpack_into(module, prefix, names, tensors, schemes)
             for x in inputs:
-                LayerInputs.forward(layer_inputs, module, 0, x.to(device)).cpu()
+                LayerStep.forward(module, x.to(device), kwargs).cpu()
+
+
+def _meta_model(config) -> transformers.PreTrainedModel:
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="eager")
+
+
+def _peer_recipe(modifier, moe: bool):
+    """The W4A16 recipe both sides run, in the peer's terms."""
+    return modifier(config_groups={"group_0": {"targets": ["Linear"], "weights": {
+        "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": GROUP_SIZE}}},
+        ignore=["lm_head"] + (["re:.*mlp.gate$"] if moe else []), actorder="static", dampening_frac=0.01,
+        block_size=128)
 
 
 def peer(model_dir: str, samples: int, seq_len: int, ledger: Ledger):
@@ -204,13 +216,7 @@ def peer(model_dir: str, samples: int, seq_len: int, ledger: Ledger):
     config = transformers.AutoConfig.from_pretrained(model_dir)
     moe = "moe" in config.model_type
     host_kwargs = Embedder(SourceModel(model_dir)).layer_kwargs(0, 1, seq_len)
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16,
-                                                              attn_implementation="eager")
-    recipe = GPTQModifier(config_groups={"group_0": {"targets": ["Linear"], "weights": {
-        "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": GROUP_SIZE}}},
-        ignore=["lm_head"] + (["re:.*mlp.gate$"] if moe else []), actorder="static", dampening_frac=0.01,
-        block_size=128)
+    model, recipe = _meta_model(config), _peer_recipe(GPTQModifier, moe)
     auto_batches = helpers.max_batch_size
 
     def on_an_h100(module, batched_quantization, block_size):  # "auto", as the peer sizes it on a GPU
