@@ -166,14 +166,16 @@ def test_guard_names_what_would_be_missing(tmp_path, monkeypatch):
 
 def test_guard_refuses_a_model_transformers_cannot_initialize(tmp_path, monkeypatch):
     """PhiMoE's router, quantized (were it not kept dense by default): every key loads, but transformers' weight
-    initialization needs its `weight`."""
+    initialization needs its `weight`. Known from the names the export would write: refused before any work."""
     monkeypatch.setattr(Family, "default_ignores", lambda self, skeleton: [])
     model = make_tiny(str(tmp_path / "phimoe"), "phimoe", moe=True)
-    with pytest.raises(UsageError, match=r"not usable \(transformers cannot initialize the model it describes: "
-                                         r"'PhimoeTopKRouter' object has no attribute 'weight'\)"):
+    with pytest.raises(UsageError, match=r"is not supported: its compressed checkpoint could not be loaded "
+                                         r"\(transformers cannot initialize the model it describes: "
+                                         r"'PhimoeTopKRouter' object has no attribute 'weight'\), so it is refused "
+                                         r"before any work"):
         oneshot(model=model, num_calibration_samples=8, max_seq_length=32, group_size=32,
                 output_dir=str(tmp_path / "out"))
-    assert not os.path.exists(tmp_path / "out")
+    assert not os.path.exists(tmp_path / "out") and not os.path.exists(tmp_path / "out.state")
 
 
 def test_load_keys_agrees_with_transformers(tmp_path):

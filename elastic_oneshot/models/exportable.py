@@ -4,20 +4,21 @@ The export writes, under the names the source stores them by, every tensor of th
 quantized modules, and for each of those the tensors its scheme is written as (weight_packed, weight_scale, ...). Those
 names are known at the start, and so is what transformers would make of them: every Linear is quantized or ignored,
 and the model transformers' loader builds for the checkpoint's config (its quantization applied) finds every tensor
-it needs, under the names its conversions give the written ones (stored names resolved both ways), and none it does
-not know. A model that fails here would fail the guard after every layer was compressed: it is refused now.
+it needs, under the names its conversions give the written ones (stored names resolved both ways), none it does not
+know, and can initialize what it did not load (loadable.check_names, the guard's own checks). A model that fails here
+would fail the guard after every layer was compressed: it is refused now.
 """
 
+import functools
 import os
 import shutil
 import tempfile
 from collections.abc import Callable
 
-import torch
 from compressed_tensors.compressors import ModelCompressor
 from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
 
-from elastic_oneshot.models.loadable import load_keys
+from elastic_oneshot.models.loadable import check_names
 from elastic_oneshot.models.source import SourceModel
 
 
@@ -35,22 +36,13 @@ def written_names(source: SourceModel, schemes: dict[str, QuantizationScheme],
 def check_exportable(source: SourceModel, schemes: dict[str, QuantizationScheme], quantization: QuantizationConfig,
                      leaves: Callable[[QuantizationScheme], tuple[str, ...]], trust_remote_code: bool = False):
     """Refuse, before any work, a model whose compressed checkpoint the export's guard would refuse by its names."""
-    names = written_names(source, schemes, leaves)
-    ignored = set(quantization.ignore or ())
-    unquantized = [name for name, m in source.skeleton.named_modules() if isinstance(m, torch.nn.Linear)
-                   and name not in ignored and source.stored_name(f"{name}.weight_scale") not in names]
-    if unquantized:
-        _refuse(source, f"{len(unquantized)} Linear modules would be neither quantized nor in ignore", unquantized)
     with tempfile.TemporaryDirectory() as config_dir:  # the checkpoint's config (and the model's code, if any)
         for fname in os.listdir(source.path):
             if fname == "config.json" or fname.endswith(".py"):
                 shutil.copyfile(os.path.join(source.path, fname), os.path.join(config_dir, fname))
         ModelCompressor(quantization_config=quantization).update_config(config_dir)
-        missing, unexpected = load_keys(config_dir, names, trust_remote_code)
-    if missing:
-        _refuse(source, f"transformers would find {len(missing)} tensors missing", missing)
-    if unexpected:
-        _refuse(source, f"transformers would find {len(unexpected)} tensors unexpected", unexpected)
+        check_names(config_dir, source, written_names(source, schemes, leaves), quantization,
+                    functools.partial(_refuse, source), trust_remote_code)
 
 
 def _refuse(source: SourceModel, what: str, names: list[str]):

@@ -7,10 +7,12 @@ a weight: an export that would load with uninitialized modules fails instead of 
 """
 
 import contextlib
+import functools
 import io
 import json
 import os
 import types
+from collections.abc import Callable
 
 import torch
 import transformers
@@ -33,21 +35,28 @@ def check_loadable(directory: str, source: SourceModel, quantization: Quantizati
         if fname.endswith(".safetensors"):
             written.update(json.loads(_read_header(os.path.join(directory, fname))))
     written.discard("__metadata__")
+    check_names(directory, source, written, quantization, functools.partial(_fail, directory), trust_remote_code)
+
+
+def check_names(directory: str, source: SourceModel, names: set[str], quantization: QuantizationConfig,
+                fail: Callable[[str, list[str]], None], trust_remote_code: bool = False):
+    """The guard's checks of a checkpoint of `source` whose config is in `directory` and whose tensors are `names`
+    (as written, or as the export would write them: exportable.py): `fail(what, names)` on the first that fails."""
     ignored = set(quantization.ignore or ())
     unquantized = [name for name, m in source.skeleton.named_modules() if isinstance(m, torch.nn.Linear)
-                   and name not in ignored and source.stored_name(f"{name}.weight_scale") not in written]
+                   and name not in ignored and source.stored_name(f"{name}.weight_scale") not in names]
     if unquantized:
-        _fail(directory, f"{len(unquantized)} Linear modules neither quantized nor in ignore", unquantized)
+        fail(f"{len(unquantized)} Linear modules neither quantized nor in ignore", unquantized)
     model, quantizer = _loader_model(directory, trust_remote_code)
-    missing, unexpected = _load_keys(model, quantizer, written)
+    missing, unexpected = _load_keys(model, quantizer, names)
     if missing:
-        _fail(directory, f"transformers would find {len(missing)} tensors missing", missing)
+        fail(f"transformers would find {len(missing)} tensors missing", missing)
     if unexpected:
-        _fail(directory, f"transformers would find {len(unexpected)} tensors unexpected", unexpected)
+        fail(f"transformers would find {len(unexpected)} tensors unexpected", unexpected)
     try:  # as the loader initializes what it did not load: a quantized module may lack what that expects
         model.initialize_weights()
     except AttributeError as e:
-        _fail(directory, "transformers cannot initialize the model it describes", [str(e)])
+        fail("transformers cannot initialize the model it describes", [str(e)])
 
 
 def load_keys(directory: str, names: set[str], trust_remote_code: bool = False) -> tuple[list[str], list[str]]:
