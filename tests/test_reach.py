@@ -11,7 +11,8 @@ same tokens (as tests/test_spine.py measures it).
 Beside them: the layer loop's call of each layer gives transformers' own hidden states bit for bit; what rides with
 the hidden states gives the same bytes at two ranks and after replays from a boundary or the embeddings; a decoder whose
 layers take arguments that depend on the tokens is refused unless its family carries them; and a checkpoint the
-export's guard would refuse by its names is refused before any work (DeepSeek-V4's `model.norm.weight`)."""
+export's guard would refuse by its names is refused before any work (DeepSeek-V4's `model.norm.weight`, GPTBigCode's
+quantized output projections)."""
 
 import glob
 import json
@@ -31,6 +32,7 @@ from elastic_oneshot.errors import UsageError
 from elastic_oneshot.loop.data import heldout_samples
 from elastic_oneshot.loop.layer_step import LayerStep
 from elastic_oneshot.models import family, stored_names
+from elastic_oneshot.models.families import gpt_blocks
 from elastic_oneshot.models.moe import Experts
 from elastic_oneshot.models.source import Embedder, SourceModel
 from elastic_oneshot.quantization import gptq
@@ -232,6 +234,20 @@ def test_a_checkpoint_the_guard_would_refuse_is_refused_before_any_work(tmp_path
     with pytest.raises(UsageError, match=r"'deepseek_v4'\) is not supported: its compressed checkpoint could not be "
                                          r"loaded \(transformers would find 1 tensors missing: model.norm.weight\), so "
                                          r"it is refused before any work"):
+        oneshot(model=model, num_calibration_samples=8, max_seq_length=32, group_size=32,
+                output_dir=str(tmp_path / "out"))
+    assert not os.path.exists(tmp_path / "out") and not os.path.exists(tmp_path / "out.state")
+
+
+def test_a_checkpoint_transformers_could_not_initialize_is_refused_before_any_work(tmp_path, monkeypatch):
+    """GPTBigCode's output projections (`c_proj`) quantized, were they not kept dense by its family: transformers'
+    weight initialization of GPTBigCode reads their `weight`, which the guard finds after the export; the same check
+    on the names the export would write refuses the model before layer 0."""
+    model = make_tiny(str(tmp_path / "gpt_bigcode"), "gpt_bigcode", moe=False)
+    monkeypatch.setattr(gpt_blocks.GPTBigCode, "default_ignores", family.Family.default_ignores)
+    with pytest.raises(UsageError, match=r"'gpt_bigcode'\) is not supported: its compressed checkpoint could not be "
+                                         r"loaded \(transformers cannot initialize the model it describes: 'Linear' "
+                                         r"object has no attribute 'weight'\), so it is refused before any work"):
         oneshot(model=model, num_calibration_samples=8, max_seq_length=32, group_size=32,
                 output_dir=str(tmp_path / "out"))
     assert not os.path.exists(tmp_path / "out") and not os.path.exists(tmp_path / "out.state")
