@@ -60,13 +60,15 @@ sys.exit(cli.main(sys.argv[2:]))
 """
 
 
-def events(state: str) -> list[dict]:
+def history(state: str):
+    """The state's events.History (empty while there is no state)."""
     from elastic_oneshot.durability.state import StateStore
+    from elastic_oneshot.events import History
 
     try:
-        return StateStore(state).events()
+        return History(StateStore(state).events())
     except (OSError, ValueError):
-        return []
+        return History([])
 
 
 def run(code: str, args: list[str], env: dict, log: str, kill_after: int | None = None) -> dict:
@@ -79,7 +81,7 @@ def run(code: str, args: list[str], env: dict, log: str, kill_after: int | None 
         proc = subprocess.Popen([sys.executable, "-c", WORKER, code, "run", *args], stdout=f,
                                 stderr=subprocess.STDOUT, env=env)
         while kill_after is not None and proc.poll() is None and \
-                sum(e["event"] == "commit" for e in events(state)) < kill_after:
+                len(history(state).commits) < kill_after:
             time.sleep(0.05)
         if kill_after is not None and proc.poll() is None:
             proc.send_signal(signal.SIGKILL)
@@ -101,9 +103,9 @@ def server_cpu() -> float:
 
 def loop(state: str) -> dict:
     """From the last epoch's events: seconds waiting for storage, layers, and the first commit after the start."""
-    ev = events(state)
-    start = [e for e in ev if e["event"] == "start"][-1]
-    done = [e for e in ev if e["event"] == "commit" and e["epoch"] == start["epoch"]]
+    events = history(state)
+    start = events.starts[-1]
+    done = [e for e in events.commits if e["epoch"] == start["epoch"]]
     return {"waited": sum(e["seconds"].get("commit", 0.0) for e in done), "layers": len(done),
             "compute": sum(v for e in done for k, v in e["seconds"].items() if k != "commit"),
             "started": start["time"], "first_commit": done[0]["time"]}

@@ -16,8 +16,8 @@ the agent and its worker) at random with mean --mtbp seconds, seeded, each repla
 two rates, --histories seeded histories each; predicted as `--nodes 1:2 --gpus-per-node 1` with that MTBP and
 replacement delay. A history is one draw (one in five falls outside p10..p90 by design): a chaos row gives the
 median of its histories against the predicted median, and how many fell within the band; the line below it
-predicts each history from its own kill times (fleet.Recorded: the model's timeline, restarts and replays with those
-preemptions), which checks the restart costs history by history rather than through the spread.
+predicts each history from its own kill times (preemption.Recorded: the model's timeline, restarts and replays with
+those preemptions), which checks the restart costs history by history rather than through the spread.
 """
 
 import argparse
@@ -35,6 +35,7 @@ sys.path.insert(0, ROOT)  # launch/chaos.py
 
 from elastic_oneshot.quantization.recipe import Recipe  # noqa: E402
 from elastic_oneshot.surface import fleet as F  # noqa: E402
+from elastic_oneshot.surface import preemption as P  # noqa: E402
 from elastic_oneshot.testing.runs import one_thread_env, torchrun_cmd  # noqa: E402
 
 RECIPE = Recipe(group_size=64, ignore=("lm_head",))
@@ -59,7 +60,7 @@ def predict(work: F.ModelWork, fleet: F.Fleet) -> dict:
 def replayed(work: F.ModelWork, fleet: F.Fleet, kills: list[float]) -> float:
     """The chaos harness's history predicted from its own kill times (seconds from its start)."""
     tls = {n: F.timeline(work, fleet, n) for n in (1, 2)}
-    result = F.trial(tls, 2, 1, fleet, F.Recorded(kills))
+    result = P.trial(tls, 2, 1, fleet.replacement_minutes * 60, P.Recorded(kills))
     return math.inf if result is None else result[0]
 
 

@@ -48,7 +48,7 @@ def layer_flops(model: str, samples: int, seq_len: int) -> dict[str, float]:
     forward = sum(2 * m.in_features * m.out_features * tokens for _, m in linears) + attention
     modules = dict(linears)
     hessian, solve = 0, 0
-    for group in input_groups([n for n, _ in linears], source.family.shared_inputs):
+    for group in input_groups([n for n, _ in linears], source.family.input_key(False)):
         d = modules[group[0]].in_features
         rows = sum(modules[n].out_features for n in group)
         block = gptq.HESSIAN_BLOCK  # the lower triangle by row blocks, as computed
@@ -75,6 +75,7 @@ def main():
                         scheme=None if a.scheme == "W4A16" else a.scheme)
 
     from elastic_oneshot.durability.state import StateStore
+    from elastic_oneshot.events import History
     from elastic_oneshot.models.default_model import default_model
     from elastic_oneshot.surface.evaluate import perplexity
 
@@ -103,7 +104,7 @@ def main():
     print(f"{'perplexity':24}{ppl['ours']:10.3f}{ppl['peer']:10.3f}{ppl['ours'] / ppl['peer']:8.4f}   "
           f"target <= 1.00 (unquantized {ppl['base']:.3f})")
 
-    events = [e for e in StateStore(ours + ".state").events() if e["event"] == "commit"]
+    events = History(StateStore(ours + ".state").events()).commits
     seconds = {k: sum(e["seconds"].get(k, 0) for e in events) for k in
                ("load", "calibrate", "hessian", "gptq", "propagate", "commit")}
     flops = layer_flops(model, a.samples, a.seq_len)

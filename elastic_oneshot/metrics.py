@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from elastic_oneshot.errors import UsageError
+from elastic_oneshot.events import History
 
 PORT_ENV = "ELASTIC_ONESHOT_METRICS_PORT"
 PREFIX = "elastic_oneshot_"
@@ -97,12 +98,10 @@ def history(state):
     `state` (a StateStore), read only when the metrics are served."""
     if not _on:
         return
-    from elastic_oneshot.surface.status import lost_spans  # not at the top: status reads the state, which calls here
-
-    events = state.events()
-    lost = lost_spans(events, _layers, time.time())
+    history = History(state.events())
+    lost = history.lost_spans(_layers, time.time())
     with _lock:
-        _set("restarts", max(sum(e["event"] == "start" for e in events) - 1, 0))
+        _set("restarts", history.restarts)
         _set("lost_seconds", sum(b - a for a, b in lost))
 
 

@@ -41,10 +41,11 @@ import time
 
 import psutil
 
-from elastic_oneshot.durability.records import open_records
+from elastic_oneshot.durability import layout
+from elastic_oneshot.durability.coordinator import open_records
 from elastic_oneshot.durability.state import StateStore, read_events
-from elastic_oneshot.durability.storage import is_url
 from elastic_oneshot.errors import CorruptStateError
+from elastic_oneshot.events import History
 from elastic_oneshot.testing.netns import Fabric, NamespaceUnavailable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -189,19 +190,21 @@ class Cluster:
     def events(self) -> list[dict]:
         return read_events(self.state)
 
+    def history(self) -> History:
+        return History(self.events())
+
     def commits(self) -> int:
-        return sum(1 for e in self.events() if e["event"] == "commit")
+        return len(self.history().commits)
 
     def epoch(self) -> int:
-        return max((e["epoch"] for e in self.events() if e["event"] == "start"), default=0)
+        return max((e["epoch"] for e in self.history().starts), default=0)
 
     def wait_progress(self, after_epoch: int = -1, after_time: float = 0.0, timeout: float = 180) -> bool:
         """Until a layer commits in an epoch newer than `after_epoch` and later than `after_time`, or the job is
         done; False if neither happens within `timeout` seconds (the job is stuck)."""
         deadline = time.monotonic() + timeout
         while not self.done():
-            if any(e["event"] == "commit" and e["epoch"] > after_epoch and e["time"] > after_time
-                   for e in self.events()):
+            if any(e["epoch"] > after_epoch and e["time"] > after_time for e in self.history().commits):
                 return True
             if time.monotonic() > deadline or not any(n.alive for n in self.nodes):
                 return False
@@ -324,10 +327,10 @@ def later(seconds: float, undo, node: Node | None = None):
 
 def corrupt(state: str, rng: random.Random) -> str:
     """Flip bytes in, or truncate, a committed layer file, a manifest or a boundary chunk."""
-    if is_url(state):
+    if StateStore(state).local is None:
         return corrupt_object(state, rng)
     candidates = []
-    for sub in ("layers", "commits", "boundaries"):
+    for sub in (layout.SOLVED, layout.COMMITS, layout.BOUNDARIES):
         for dirpath, _, files in os.walk(os.path.join(state, sub)):
             candidates += [os.path.join(dirpath, f) for f in files if ".tmp" not in f]
     if not candidates:
@@ -351,7 +354,7 @@ def corrupt_object(url: str, rng: random.Random) -> str:
     import obstore
 
     storage = StateStore(url).storage
-    candidates = sorted(o["path"] for sub in ("layers", "commits", "boundaries")
+    candidates = sorted(o["path"] for sub in (layout.SOLVED, layout.COMMITS, layout.BOUNDARIES)
                         for batch in obstore.list(storage.store, sub) for o in batch)
     if not candidates:
         return "nothing"
@@ -389,14 +392,12 @@ def feasible(cluster: Cluster, kinds) -> list[str]:
 # -- invariants -------------------------------------------------------------------------------------
 def check_invariants(cluster: Cluster, corrupted_layers: set[int], reference: str) -> list[str]:
     failures = []
-    events = cluster.events()
     seen = set()
-    for e in events:
-        if e["event"] == "commit":
-            key = (e["epoch"], e["layer"])
-            if key in seen:
-                failures.append(f"layer {e['layer']} committed twice in epoch {e['epoch']}")
-            seen.add(key)
+    for e in cluster.history().commits:
+        key = (e["epoch"], e["layer"])
+        if key in seen:
+            failures.append(f"layer {e['layer']} committed twice in epoch {e['epoch']}")
+        seen.add(key)
     store = StateStore(cluster.state)
     records = open_records(store)  # in etcd when job.json names a coordinator
     fences = []
@@ -428,12 +429,12 @@ def late_writes(store: StateStore, records, committed: dict[int, int]) -> list[s
     no time, so only the commits kept as files are checked."""
     if records.url is not None:
         return []
-    slack = 1.0 if is_url(store.root) else 0.0  # object stores keep whole seconds
+    slack = 1.0 if store.local is None else 0.0  # object stores keep whole seconds
     when = modified_times(store)
     failures = []
     for layer, epoch in sorted(committed.items()):
-        commit = when.get(f"commits/{layer:05d}.e{epoch:05d}.json")
-        newer = when.get(f"epochs/{epoch + 1:05d}.json")
+        commit = when.get(layout.commit(layer, epoch))
+        newer = when.get(layout.fence(epoch + 1))
         if commit is not None and newer is not None and commit > newer + slack:
             failures.append(f"layer {layer} was committed in epoch {epoch} {commit - newer:.1f} s after epoch "
                             f"{epoch + 1} began")
@@ -447,7 +448,7 @@ def late_writes(store: StateStore, records, committed: dict[int, int]) -> list[s
 
 def modified_times(store: StateStore) -> dict[str, float]:
     """Every file's modification time (Unix seconds), by its path in the state."""
-    if not is_url(store.root):
+    if store.local is not None:
         return {os.path.relpath(os.path.join(d, f), store.root): os.stat(os.path.join(d, f)).st_mtime
                 for d, _, files in os.walk(store.root) for f in files}
     import obstore
@@ -489,14 +490,15 @@ def figures(faults: list[dict], events: list[dict]) -> list[dict]:
     """Per fault: seconds until a newer epoch began (detected) and until its first layer started (recovered), and
     whether the layer in flight was lost. A fault that leaves the membership as it is (etcd restarted, a slow
     link): seconds until the next commit, and whether the workers restarted."""
-    starts = [e for e in events if e["event"] == "layer"]
-    commits = {(e["epoch"], e["layer"]) for e in events if e["event"] == "commit"}
+    history = History(events)
+    starts = history.layers
+    commits = {(e["epoch"], e["layer"]) for e in history.commits}
     for f in faults:
-        epoch = max((e["epoch"] for e in events if e["event"] == "start" and e["time"] <= f["time"]), default=0)
-        began = [e for e in events if e["event"] == "start" and e["epoch"] > epoch and e["time"] >= f["time"]]
+        epoch = history.epoch_at(f["time"])
+        began = [e for e in history.starts if e["epoch"] > epoch and e["time"] >= f["time"]]
         f["detect_s"] = began[0]["time"] - f["time"] if began and f["kind"] != "corrupt_file" else None
         if f["kind"] in STAYS:
-            after = [e for e in events if e["event"] == "commit" and e["time"] >= f["time"]]
+            after = [e for e in history.commits if e["time"] >= f["time"]]
             f["recovery_s"] = after[0]["time"] - f["time"] if after else None
             f["lost_layers"] = int(bool(after) and after[0]["epoch"] > epoch)
             continue
@@ -520,7 +522,7 @@ def table(faults: list[dict], events: list[dict]) -> str:
         mdet = f"{statistics.median(det):.1f}" if det else "-"
         rows.append(f"{kind:21} {len(mine):5d}  {len(rec):9d}  {mdet:>17}  {med:>19}  "
                     f"{sum(f['lost_layers'] for f in mine):11d}")
-    epochs = [e for e in events if e["event"] == "start"]
+    epochs = History(events).starts
     rows.append(f"epochs {len(epochs)}, world sizes {[e['world_size'] for e in epochs]}")
     return "\n".join(rows)
 
@@ -594,7 +596,7 @@ def campaign(cluster: Cluster, a: argparse.Namespace, rng: random.Random) -> tup
         kind = rng.choice(feasible(cluster, a.kinds))
         target = inject(cluster, kind, rng, stop_s=a.collective_timeout + 5)
         faults.append({"kind": kind, "target": target, "time": time.time()})
-        if kind == "corrupt_file" and target.startswith(("layers", "commits")):
+        if kind == "corrupt_file" and target.startswith((layout.SOLVED, layout.COMMITS)):
             corrupted.add(int(target.split("/")[1].split(".")[0]))
         print(f"{time.strftime('%H:%M:%S')} fault {len(faults)}: {kind} {target}", flush=True)
         if not cluster.live() and not any(n.stopped for n in cluster.nodes):

@@ -52,7 +52,7 @@ def test_shared_group_spreads_its_inverse_and_rows(intermediate, kinds, tmp_path
     pieces. Either way the output matches one rank's."""
     model = make_model(str(tmp_path / "wide"), "llama", intermediate_size=intermediate, num_hidden_layers=1)
     source = SourceModel(model)
-    steps = make_plan(layer_groups(source.layers[0], ["mlp.down_proj"], source.family.shared_inputs), 3).steps
+    steps = make_plan(layer_groups(source.layers[0], ["mlp.down_proj"], source.family.input_key(False)), 3).steps
     assert {s.kind for s in steps} == kinds
     assert all(len({s.rank for s in steps if s.kind == kind}) == 3 for kind in kinds - {StepKind.FACTOR})
     job = ["--num-samples", 12, "--seq-len", 64, "--group-size", 64, "--chunk-size", 4]

@@ -15,9 +15,9 @@ import transformers
 from safetensors.torch import save_file
 
 from elastic_oneshot import oneshot
+from elastic_oneshot.durability.coordinator import open_records
 from elastic_oneshot.durability.destination import open_destination
 from elastic_oneshot.durability.protocol import CommitProtocol
-from elastic_oneshot.durability.records import open_records
 from elastic_oneshot.durability.state import StateStore, read_events
 from elastic_oneshot.errors import UsageError
 from elastic_oneshot.models.source import SourceModel

@@ -12,6 +12,7 @@ import pytest
 
 from elastic_oneshot.quantization.recipe import Recipe
 from elastic_oneshot.surface import fleet as F
+from elastic_oneshot.surface import preemption as P
 from elastic_oneshot.surface.cli import main
 from elastic_oneshot.testing.runs import run_cli
 
@@ -25,6 +26,7 @@ LAYER = F.LayerWork(calibrate_flops=H100.bf16_tflops * 1e12 * F.FORWARD_EFFICIEN
                     hessian_flops=H100.fp32_tflops * 1e12 * F.FP_EFFICIENCY / TOKENS,
                     expert_calls=0, weight_bytes=10**9, compressed_bytes=5e8)
 FLEET = F.Fleet(samples=8, seq_len=1000, nodes=(1, 1), gpus_per_node=1, mtbp_hours=1.0, trials=50)
+REPLACEMENT_S = FLEET.replacement_minutes * 60
 
 
 def model(layers: int = 10, layer: F.LayerWork = LAYER) -> F.ModelWork:
@@ -42,8 +44,8 @@ def test_a_layers_seconds_by_hand():
 def test_no_preemption_is_the_plain_sum_of_the_layers_plus_start_up():
     tl = F.timeline(model(), F.Fleet(**{**FLEET.__dict__, "mtbp_hours": math.inf}), 1)
     plain = F.STARTUP_S + 10 * 3.5 + 0.5 + 2 * 10 * 5e8 / 1e9  # start-up, layers, the last commit, the export
-    assert F.uninterrupted(tl) == pytest.approx(plain, rel=1e-12)
-    wall, paid = F.trial({1: tl}, 1, 1, FLEET, _drawn())
+    assert P.uninterrupted(tl) == pytest.approx(plain, rel=1e-12)
+    wall, paid = P.trial({1: tl}, 1, 1, REPLACEMENT_S, _drawn())
     assert (wall, paid) == (pytest.approx(plain, rel=1e-12), pytest.approx(plain, rel=1e-12))
 
 
@@ -73,8 +75,8 @@ def test_one_preemption_by_hand():
     write_s = FLEET.samples * FLEET.seq_len * 1000 * 2 / (FLEET.storage_gbps * 1e9)
     interval = round(math.sqrt(2 * write_s * FLEET.mtbp_hours * 3600) / 3.5)
     assert tl.write_s == pytest.approx(write_s) and tl.interval[0] == interval == 3  # none durable but the embeddings'
-    wall, paid = F.trial({1: tl}, 1, 1, FLEET, _drawn(40.0, 1e12))
-    resumed = 40 + 300 + F.RENDEZVOUS_S + F.STARTUP_S + 2 * 1.5
+    wall, paid = P.trial({1: tl}, 1, 1, REPLACEMENT_S, _drawn(40.0, 1e12))
+    resumed = 40 + 300 + P.RENDEZVOUS_S + F.STARTUP_S + 2 * 1.5
     assert wall == pytest.approx(resumed + 8 * 3.5 + 10.5)
     assert paid == pytest.approx(wall - 300)  # no node was paid while the replacement came
 
@@ -83,28 +85,29 @@ def test_a_restore_replays_each_chunk_as_its_boundary_arrives():
     """From a boundary, the download and the replay are a pipeline over the rank's chunks; from the embeddings,
     the replay alone."""
     tl = F.timeline(model(), FLEET, 1)
-    assert F._restore(tl, 0, 2) == pytest.approx(2 * 1.5)
+    assert P.restore(tl, 0, 2) == pytest.approx(2 * 1.5)
     slow = dataclasses.replace(tl, write_s=12.0)
-    assert F._restore(slow, 3, 5) == pytest.approx(12.0 + 2 * 1.5 / tl.chunks)
-    assert F._restore(slow, 1, 10) == pytest.approx(9 * 1.5 + 12.0 / tl.chunks)
+    assert P.restore(slow, 3, 5) == pytest.approx(12.0 + 2 * 1.5 / tl.chunks)
+    assert P.restore(slow, 1, 10) == pytest.approx(9 * 1.5 + 12.0 / tl.chunks)
 
 
 def test_a_loss_while_the_previous_commit_is_written_loses_that_layer_too():
     tl = F.timeline(model(), FLEET, 1)
-    assert F._resumed(tl, 0, 0.0, 3.5 + 0.4, 0, True, lost=True) == (0, 0)  # layer 0's commit not yet written
-    assert F._resumed(tl, 0, 0.0, 3.5 + 0.6, 0, True, lost=True) == (1, 0)
-    assert F._resumed(tl, 0, 0.0, 3 * 3.5 + 0.6, 0, True, lost=True) == (3, 3)  # layer 3's inputs were written
-    assert F._resumed(tl, 0, 0.0, 3 * 3.5 + 0.6, 0, False, lost=True) == (0, 0)  # without resume: from scratch
+    assert P._resumed(tl, 0, 0.0, 3.5 + 0.4, 0, True, lost=True) == (0, 0)  # layer 0's commit not yet written
+    assert P._resumed(tl, 0, 0.0, 3.5 + 0.6, 0, True, lost=True) == (1, 0)
+    assert P._resumed(tl, 0, 0.0, 3 * 3.5 + 0.6, 0, True, lost=True) == (3, 3)  # layer 3's inputs were written
+    assert P._resumed(tl, 0, 0.0, 3 * 3.5 + 0.6, 0, False, lost=True) == (0, 0)  # without resume: from scratch
 
 
 def test_losing_a_node_goes_on_with_the_others():
     """Two nodes, MIN 1: the one left resumes at once and the replacement joins at the end of a layer; from
     scratch the job waits for it and starts over."""
     tls = {n: F.timeline(model(), FLEET, n) for n in (1, 2)}
-    wall, _ = F.trial(tls, 2, 1, FLEET, _drawn(40.0, 1e12, 1e12))
-    assert F.trial(tls, 2, 1, FLEET, F.Recorded([40.0]))[0] == wall  # that history replayed from its kill time
-    waited, _ = F.trial({2: F.timeline(model(), FLEET, 2, resume=False)}, 2, 2, FLEET, _drawn(40.0, 1e12, 1e12))
-    assert F.uninterrupted(tls[2]) < wall < waited
+    wall, _ = P.trial(tls, 2, 1, REPLACEMENT_S, _drawn(40.0, 1e12, 1e12))
+    assert P.trial(tls, 2, 1, REPLACEMENT_S, P.Recorded([40.0]))[0] == wall  # that history replayed from its kill time
+    waited, _ = P.trial({2: F.timeline(model(), FLEET, 2, resume=False)}, 2, 2, REPLACEMENT_S,
+                        _drawn(40.0, 1e12, 1e12))
+    assert P.uninterrupted(tls[2]) < wall < waited
 
 
 def test_a_certain_preemption_every_layer_never_finishes():
@@ -119,8 +122,8 @@ def test_restart_constants_are_the_launchers():
     """NOTICE_S and RENDEZVOUS_S are what launch/env.sh gives torchrun."""
     with open(os.path.join(ROOT, "launch", "env.sh")) as f:
         conf = dict(re.findall(r"(\w+)=(\d+)", re.search(r'RDZV_CONF:-([^}"]+)', f.read()).group(1)))
-    assert F.NOTICE_S == int(conf["keep_alive_interval"]) * int(conf["keep_alive_max_attempt"])
-    assert F.RENDEZVOUS_S == int(conf["last_call_timeout"])
+    assert P.NOTICE_S == int(conf["keep_alive_interval"]) * int(conf["keep_alive_max_attempt"])
+    assert P.RENDEZVOUS_S == int(conf["last_call_timeout"])
 
 
 def test_a_tiny_moe_layers_work_by_hand(tiny_moe):
@@ -232,9 +235,9 @@ def tiny_moe(tmp_path) -> str:
     return str(tmp_path / "moe" / "config.json")
 
 
-def _drawn(*delays: float) -> F.Drawn:
+def _drawn(*delays: float) -> P.Drawn:
     """Preemptions that come after the given delays (then never)."""
-    return F.Drawn(FLEET, _Draws(*delays))
+    return P.Drawn(FLEET.mtbp_s, _Draws(*delays))
 
 
 class _Draws:

@@ -447,8 +447,8 @@ def test_export_to_the_server_all_or_nothing(s3, llama4, reference, tmp_path, mo
     prefix holding what this job did not write is refused and left as it was."""
     import transformers
 
+    from elastic_oneshot.durability.coordinator import open_records
     from elastic_oneshot.durability.destination import MARKER, PENDING, open_destination
-    from elastic_oneshot.durability.records import open_records
     from elastic_oneshot.surface.export import export
 
     state_url, out_url = f"s3://{BUCKET}/export.state", f"s3://{BUCKET}/export"

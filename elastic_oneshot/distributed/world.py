@@ -7,13 +7,13 @@ import datetime
 import logging
 import os
 import re
-import threading
 import time
 
 import torch
 import torch.distributed as dist
 
 from elastic_oneshot import metrics
+from elastic_oneshot.distributed.watchdog import Watchdog
 from elastic_oneshot.errors import UsageError, exit_now, report
 
 log = logging.getLogger("elastic_oneshot")
@@ -24,11 +24,31 @@ _RANK_LOST = re.compile(r"(?:\[[^\]]*\] )?(.*?(?:Connection reset by peer|Connec
                         r"Application timeout caused pair closure))")
 
 
+_TIMED_OUT = re.compile(r"Timed out waiting|Application timeout")
+_world: "World | None" = None  # the process's, for the command line's line on a lost rank
+
+
 def rank_lost(error: BaseException) -> str | None:
     """gloo's words, if `error` says that another rank vanished (killed, or its node lost) or froze (the
     collective timed out before the liveness watchdog spoke) mid-collective."""
     found = _RANK_LOST.search(str(error)) if isinstance(error, RuntimeError) else None
     return found.group(1) if found else None
+
+
+def lost_line(error: BaseException) -> str | None:
+    """The one line for `error` if it says that another rank vanished or froze; None otherwise. A collective that
+    timed out while the heartbeats found a rank silent (frozen, or cut off) is the liveness watchdog's finding, a
+    moment early: named, and recorded (`on_lost`), as the watchdog names and records it."""
+    reason = rank_lost(error)
+    if reason is None:
+        return None
+    silent = _world.silent() if _world is not None and _TIMED_OUT.search(reason) else None
+    if silent is None:
+        return f"another rank was lost ({reason}): leaving so that torchrun restarts the workers"
+    line = f"rank {silent[0]} silent for {silent[1]:.0f} s"
+    if _world.on_lost:
+        _world.on_lost(line)
+    return f"liveness: {line}; leaving so that the job can go on without it"
 
 
 class World:
@@ -44,41 +64,49 @@ class World:
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             log.warning("torchrun shares its rendezvous store with the workers: restarted workers may fail "
                         "to connect (torch 2.13); launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (see launch/)")
+        self._heard: dict[int, float] = {}  # rank -> when the heartbeats last heard from it (monotonic)
         if self.size > 1 and not dist.is_initialized():
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo",
                                     timeout=datetime.timedelta(seconds=timeout_s), device_id=(
                                         self.device if self.device.type == "cuda" else None))
-            self._stop = threading.Event()
-            threading.Thread(target=self._liveness, args=(timeout_s,), name="liveness", daemon=True).start()
+            self._bound, self._counts = timeout_s, {r: -1 for r in range(self.size) if r != self.rank}
+            self._heard.update(dict.fromkeys(self._counts, time.monotonic()))
+            self._watchdog = Watchdog("liveness", self._heartbeat, max(0.5, timeout_s / 10), self._lost).start()
+            global _world
+            _world = self
 
-    def _liveness(self, bound_s: float):
-        """Heartbeats through the process group's store. A rank that sees another rank silent for `bound_s`
-        (frozen, or cut off), or cannot reach the store, leaves: its agent restarts the workers and the
-        new rendezvous goes on without the silent node. Commits are atomic, so leaving is always safe."""
+    def _heartbeat(self) -> str | None:
+        """One round of heartbeats through the process group's store: a rank that sees another rank silent for the
+        collective timeout (frozen, or cut off), or cannot reach the store (the silent rank's, maybe), leaves: its
+        agent restarts the workers and the new rendezvous goes on without the silent node. Commits are atomic, so
+        leaving is always safe."""
         store = dist.distributed_c10d._get_default_store()
-        interval = max(0.5, bound_s / 10)
-        seen = {r: (-1, time.monotonic()) for r in range(self.size) if r != self.rank}
+        store.add(f"elastic_oneshot/alive/{self.rank}", 1)
+        now = time.monotonic()
+        for other, count in self._counts.items():
+            current = store.add(f"elastic_oneshot/alive/{other}", 0)
+            if current != count:
+                self._counts[other], self._heard[other] = current, now
+            elif now - self._heard[other] > self._bound:
+                return f"rank {other} silent for {now - self._heard[other]:.0f} s"
+            metrics.silence(other, now - self._heard[other])
+        return None
+
+    def _lost(self, reason: str):
+        report(f"liveness: {reason}; leaving so that the job can go on without it", after_bar=True)
         try:
-            while not self._stop.is_set():
-                store.add(f"elastic_oneshot/alive/{self.rank}", 1)
-                now = time.monotonic()
-                for other, (count, since) in seen.items():
-                    current = store.add(f"elastic_oneshot/alive/{other}", 0)
-                    if current != count:
-                        seen[other] = (current, now)
-                    elif now - since > bound_s:
-                        raise TimeoutError(f"rank {other} silent for {now - since:.0f} s")
-                    metrics.silence(other, now - seen[other][1])
-                self._stop.wait(interval)
-        except Exception as e:  # the store itself may be the silent rank's
-            if self._stop.is_set():
-                return
-            report(f"liveness: {e}; leaving so that the job can go on without it", after_bar=True)
-            try:
-                if self.on_lost:
-                    self.on_lost(str(e))
-            finally:
-                exit_now(1)
+            if self.on_lost:
+                self.on_lost(reason)
+        finally:
+            exit_now(1)
+
+    def silent(self) -> tuple[int, float] | None:
+        """The rank the heartbeats have not heard from the longest, and for how many seconds, if over half the
+        liveness bound; None otherwise."""
+        now = time.monotonic()
+        quiet = [(now - heard, rank) for rank, heard in self._heard.items()]
+        seconds, rank = max(quiet, default=(0.0, None))
+        return (rank, seconds) if rank is not None and seconds > self._bound / 2 else None
 
     @property
     def distributed(self) -> bool:
@@ -150,7 +178,7 @@ class World:
         """Leave together: nobody is mistaken for a silent rank while the others finish."""
         if self.distributed and dist.is_initialized():
             dist.barrier()
-            self._stop.set()
+            self._watchdog.stop()
             dist.destroy_process_group()
 
 

@@ -28,8 +28,10 @@ from concurrent.futures import Executor, Future
 
 import torch
 
+from elastic_oneshot.durability import layout
 from elastic_oneshot.durability.state import StateStore
 from elastic_oneshot.errors import UsageError
+from elastic_oneshot.events import History
 
 DEFAULT_MTBF_S = 3600.0
 
@@ -57,12 +59,8 @@ def auto_interval(write_s: float, layer_s: float, propagate_s: float, mtbf_s: fl
 
 
 def mtbf_from(events: list[dict], now: float) -> float:
-    """The job's own mean time between failures: its time since the first start over the restarts since
-    (each start after the first is one); DEFAULT_MTBF_S before any restart."""
-    starts = [e["time"] for e in events if e.get("event") == "start"]
-    if not starts or now <= starts[0]:
-        return DEFAULT_MTBF_S
-    return (now - starts[0]) / len(starts)
+    """The job's own mean time between failures (events.History.mtbf); DEFAULT_MTBF_S before any restart."""
+    return History(events).mtbf(now, DEFAULT_MTBF_S)
 
 
 class Priority:
@@ -89,10 +87,6 @@ class Priority:
     def wait(self):
         with self._idle:
             self._idle.wait_for(lambda: self._running == 0)
-
-
-def path(layer: int, epoch: int, chunk: int) -> str:
-    return f"boundaries/{layer:05d}/e{epoch:05d}/chunk-{chunk:05d}.safetensors"
 
 
 class Boundaries:
@@ -139,14 +133,14 @@ class Boundaries:
             return False  # the job would be done before it is durable
         return layer - self.last >= auto_interval(write_s, layer_s, propagate_s, self.mtbf_s)
 
-    def submit(self, layer: int, epoch: int, chunks: dict[int, torch.Tensor]):
+    def submit(self, layer: int, tag: str, chunks: dict[int, torch.Tensor]):
         """Write `chunks` (this rank's inputs of `layer`, host tensors never changed afterwards) behind the
         computation, once the write in flight (if any) has finished: one in flight, bounded memory. The
         finished write's records wait for the next commit, which makes that boundary durable."""
         if self._flight is not None:
             self._flight[1].result()
             self._land()
-        self._flight = (layer, self.io.submit(self._write, layer, epoch, chunks))
+        self._flight = (layer, self.io.submit(self._write, layer, tag, chunks))
         self.last = layer
 
     def _land(self):
@@ -155,13 +149,13 @@ class Boundaries:
         self._flight = None
         self._written[layer] = future.result()
 
-    def _write(self, layer: int, epoch: int, chunks: dict[int, torch.Tensor]) -> dict:
+    def _write(self, layer: int, tag: str, chunks: dict[int, torch.Tensor]) -> dict:
         start, records = time.perf_counter(), {}
         for c, x in sorted(chunks.items()):
             self.priority.wait()
             if self._done:
                 break
-            records[str(c)] = self.state.write_tensors(path(layer, epoch, c), {"hidden_states": x})
+            records[str(c)] = self.state.write_tensors(layout.boundary(layer, tag, c), {"hidden_states": x})
         self._write_s = time.perf_counter() - start
         return records
 

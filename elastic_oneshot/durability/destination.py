@@ -6,8 +6,8 @@ files it wrote; a destination holding anything no marker of this job lists is re
 replaced that a marker of this job does not list.
 
 A directory: the checkpoint is built in OUT.partial, claimed for the job before any work (so that a second job on
-the same --output is refused at its start), and renamed into place; a previous checkpoint of this job goes to
-OUT.old first and is removed last.
+the same --output is refused at its start), and renamed into place; a previous checkpoint of this job is swapped
+with it atomically where the filesystem can (else it goes to OUT.old first), and removed last.
 
 A prefix: built in a temporary directory ($TMPDIR), then uploaded. An object store has no rename, so the marker
 goes up last: a reader sees the checkpoint complete only with it. Before anything else, a pending marker
@@ -22,25 +22,23 @@ import os
 import shutil
 import tempfile
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
-from elastic_oneshot.durability.storage import ObjectStorage, is_url
-from elastic_oneshot.errors import UsageError
-from elastic_oneshot.surface.preflight import check_writable
-
-MARKER = "elastic-oneshot.json"  # in every checkpoint: the job's fingerprint and the files written
-PENDING = "elastic-oneshot.pending.json"  # on a prefix, while an upload is under way
+from elastic_oneshot.durability.layout import MARKER, PENDING
+from elastic_oneshot.durability.storage import LocalStorage, Storage, open_storage
+from elastic_oneshot.errors import StorageError, UsageError
+from elastic_oneshot.jsonforms import record_json
 
 
 def open_destination(output: str) -> "Destination":
-    """The destination `output` names: an object-store prefix for a URL, else a local directory."""
-    return Prefix(output) if is_url(output) else Directory(output)
+    """The destination `output` names: a local directory, or an object-store prefix (by its storage)."""
+    storage = open_storage(output, option="--output")
+    return Directory(storage) if storage.local else Prefix(storage)
 
 
 def marker(fingerprint: str, files: list[str]) -> bytes:
-    return json.dumps({"files": files, "fingerprint": fingerprint, "written_by": "elastic-oneshot"}, indent=1,
-                      sort_keys=True).encode()
+    return record_json({"files": files, "fingerprint": fingerprint, "written_by": "elastic-oneshot"})
 
 
 def listed(data: bytes | None, fingerprint: str) -> list[str] | None:
@@ -54,13 +52,14 @@ def listed(data: bytes | None, fingerprint: str) -> list[str] | None:
     return list(record.get("files") or [])
 
 
-def owned(where: str, names: set[str], read: Callable[[str], bytes | None], fingerprint: str) -> set[str]:
-    """The `names` at `where` that this job's markers list (with the markers); UsageError if there is anything
-    else. `read(name)` gives a file's bytes."""
+def owned(storage: Storage, fingerprint: str) -> set[str]:
+    """The files of `storage` that this job's markers list (with the markers); UsageError if there is anything
+    else."""
+    where, names = storage.given, set(storage.names(""))
     mine, foreign = set(), False
     for name in (MARKER, PENDING):
         if name in names:
-            files = listed(read(name), fingerprint)
+            files = listed(storage.get(name), fingerprint)
             foreign |= files is None
             mine |= {name, *(files or [])}
     if names and (foreign or not mine):
@@ -74,17 +73,19 @@ def owned(where: str, names: set[str], read: Callable[[str], bytes | None], fing
 
 
 class Destination(abc.ABC):
-    def __init__(self, output: str):
-        self.out = output.rstrip("/") or output
+    """The checkpoint's place, through its storage, in DCP's order: `check` (before any work, and again before
+    publishing), `claim`, `building` (written whole in a local directory), `publish` (the marker last)."""
 
-    local: str | None = None  # the directory, for the checks that model, state and output are apart
+    def __init__(self, storage: Storage):
+        self.storage, self.out, self.local = storage, storage.given.rstrip("/") or storage.given, storage.local
 
-    def preflight(self):  # noqa: B027  (a prefix is checked with the job's fingerprint)
+    def preflight(self):
         """What can be checked before the model is read."""
+        self.storage.writable("--output", beside=True)
 
-    @abc.abstractmethod
     def check(self, fingerprint: str, state_root: str):
         """Refuse, before any work, an output this job may not write."""
+        owned(self.storage, fingerprint)
 
     def claim(self, fingerprint: str):  # noqa: B027  (a prefix is checked again at its upload)
         """Rank 0, once the state is this job's: the output is taken for it."""
@@ -99,75 +100,65 @@ class Destination(abc.ABC):
 
 
 class Directory(Destination):
-    def __init__(self, output: str):
-        super().__init__(output)
-        self.local = self.out
+    """OUT, built in OUT.partial (claimed before any work, so that a second job on it is refused at its start) and
+    swapped into place (LocalStorage.swap)."""
 
-    def preflight(self):
-        check_writable(self.out, "--output", beside=True)
+    def __init__(self, storage: Storage):
+        super().__init__(storage)
+        self.partial = LocalStorage(f"{storage.root}.partial", "--output")
 
     def check(self, fingerprint: str, state_root: str | None = None):
         """Also refuses leftovers of an interrupted export (OUT.partial, OUT.old) that are not this job's."""
-        out = self.out
-        if os.path.lexists(out) and not os.path.isdir(out):
-            raise UsageError(f"--output {out} is a file, not a directory: give a directory path")
-        if os.path.isdir(out):
-            owned(out, set(os.listdir(out)), lambda name: _read(os.path.join(out, name)), fingerprint)
-        for leftover in (f"{out}.partial", f"{out}.old"):
-            if os.path.lexists(leftover) and listed(_read(os.path.join(leftover, MARKER)), fingerprint) is None:
-                raise UsageError(f"{leftover} is in the way of the export and is not this job's: move it away")
+        super().check(fingerprint, state_root)
+        for leftover in (self.partial, LocalStorage(f"{self.storage.root}.old", "--output")):
+            if os.path.lexists(leftover.root) and listed(leftover.get(MARKER), fingerprint) is None:
+                raise UsageError(f"{leftover.root} is in the way of the export and is not this job's: move it away")
 
     def claim(self, fingerprint: str):
         """OUT.partial holding this job's marker. Made aside and renamed into place: renaming a directory is
         atomic, so of two jobs claiming at once one wins and the other sees its marker."""
-        aside = f"{self.out}.partial.{uuid.uuid4().hex[:8]}"
-        os.makedirs(aside)
+        aside = LocalStorage(f"{self.partial.root}.{uuid.uuid4().hex[:8]}", "--output")
         try:
-            _write(os.path.join(aside, MARKER), marker(fingerprint, []))
-            if not os.path.lexists(self.out) and not os.path.lexists(f"{self.out}.partial"):
-                os.rename(aside, f"{self.out}.partial")
-        except OSError:
+            aside.make_root()
+            aside.put(MARKER, marker(fingerprint, []))
+            if not os.path.lexists(self.storage.root) and not os.path.lexists(self.partial.root):
+                os.rename(aside.root, self.partial.root)
+        except (OSError, StorageError):
             pass  # another job claimed it meanwhile: check() says whose it is
         finally:
-            shutil.rmtree(aside, ignore_errors=True)
+            aside.remove("", best_effort=True)
         self.check(fingerprint)
 
     @contextlib.contextmanager
     def building(self, fingerprint: str) -> Iterator[str]:
-        partial = f"{self.out}.partial"
-        if os.path.lexists(partial):
-            shutil.rmtree(partial)  # an interrupted export of this job: check() read its marker
+        self.partial.remove("")  # an interrupted export of this job: check() read its marker
         try:
-            yield partial
+            yield self.partial.root
         except BaseException:
-            shutil.rmtree(partial, ignore_errors=True)
+            self.partial.remove("", best_effort=True)
             raise
 
     def publish(self, built: str, fingerprint: str):
-        """OUT.partial becomes OUT; a previous checkpoint of this job goes to OUT.old first, and is removed last."""
-        out, old = self.out, f"{self.out}.old"
         self.check(fingerprint)  # again: the export took a while, and OUT is the user's to change meanwhile
-        if os.path.lexists(old):
-            shutil.rmtree(old)  # this job's, by its marker
-        if os.path.isdir(out) and os.listdir(out):
-            os.replace(out, old)
-            os.replace(built, out)
-            shutil.rmtree(old)
-        else:
-            os.replace(built, out)  # rename(2) also replaces an empty directory
+        self.storage.swap(built)
 
 
 class Prefix(Destination):
+    """A prefix, built in a temporary directory and uploaded: an object store has no rename, so the marker goes up
+    last (a reader sees the checkpoint complete only with it), after a pending marker naming every file of the
+    prefix the upload may leave behind, so that an interrupted upload is known as this job's and finished by the
+    next export."""
+
     def check(self, fingerprint: str, state_root: str):
         """Also refuses a prefix that overlaps the state's, or that cannot be written."""
         out, state = self.out, state_root.rstrip("/")
         if state == out or state.startswith(out + "/") or out.startswith(state + "/"):
             raise UsageError(f"--output {out} and --state {state} overlap: give each its own prefix")
-        storage = ObjectStorage(out)
-        owned(out, set(storage.names("")), storage.get, fingerprint)
-        probe = f".elastic-oneshot-probe-{uuid.uuid4().hex}"
-        storage.put(probe, b"")
-        storage.remove(probe)
+        super().check(fingerprint, state_root)
+        self.storage.writable("--output")
+
+    def preflight(self):  # checked with the job's fingerprint
+        pass
 
     @contextlib.contextmanager
     def building(self, fingerprint: str) -> Iterator[str]:
@@ -180,8 +171,8 @@ class Prefix(Destination):
     def publish(self, built: str, fingerprint: str):
         """The pending marker, then the files in parallel, then what this job wrote before and no longer writes is
         deleted, then the marker, last; the pending marker goes after it."""
-        storage = ObjectStorage(self.out)
-        before = owned(self.out, set(storage.names("")), storage.get, fingerprint)  # again: the prefix is the user's
+        storage = self.storage
+        before = owned(storage, fingerprint)  # again: the prefix is the user's
         files = sorted(set(os.listdir(built)) - {MARKER})
         storage.put(PENDING, marker(fingerprint, sorted(before | set(files))))
         storage.remove(MARKER)
@@ -194,17 +185,4 @@ class Prefix(Destination):
 
 
 def write_marker(directory: str, fingerprint: str, files: list[str]):
-    _write(os.path.join(directory, MARKER), marker(fingerprint, files))
-
-
-def _read(path: str) -> bytes | None:
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except OSError:
-        return None
-
-
-def _write(path: str, data: bytes):
-    with open(path, "wb") as f:
-        f.write(data)
+    LocalStorage(directory, "--output").put(MARKER, marker(fingerprint, files))

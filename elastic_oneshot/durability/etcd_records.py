@@ -53,7 +53,6 @@ import json
 import logging
 import os
 import socket
-import threading
 import time
 import urllib.parse
 import uuid
@@ -70,9 +69,11 @@ from elastic_oneshot.distributed.etcd_client import (
     is_transient,
     parse_endpoints,
 )
+from elastic_oneshot.distributed.watchdog import Watchdog
+from elastic_oneshot.durability import layout
 from elastic_oneshot.durability.records import Records
-from elastic_oneshot.durability.state import canonical_json
 from elastic_oneshot.errors import CorruptStateError, StaleEpochError, UsageError, exit_now, report
+from elastic_oneshot.jsonforms import canonical_json
 
 log = logging.getLogger("elastic_oneshot")
 
@@ -120,6 +121,7 @@ class EtcdRecords(Records):
     def __init__(self, endpoints: list[tuple[str, int]], prefix: str = "/elastic-oneshot/", *, cacert=None, cert=None,
                  key=None, user=None, password=None, ttl: float = DEFAULT_TTL,
                  retry_timeout: float = DEFAULT_RETRY_TIMEOUT, url: str | None = None):
+        super().__init__()
         if user and password is None:
             password = os.environ.get(PASSWORD_ENV)
         try:
@@ -134,8 +136,7 @@ class EtcdRecords(Records):
         self.rank = self.world_size = self.layers_total = None
         self._worker: bytes | None = None  # this process's liveness value, once attached
         self._lease: int | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._watchdog: Watchdog | None = None
         self._view: tuple[int, dict[int, int], set[int]] | None = None  # (epoch, its fence, its own commits)
         self._manifests: dict[tuple[int, int], dict] = {}  # commits never change (only claim drops them)
 
@@ -216,9 +217,9 @@ class EtcdRecords(Records):
         moves `epoch` from E to E+1 only if unchanged since read; StaleEpochError if another process won."""
         ok, (current, progress) = self._txn([], [Get(self._k("epoch")), Get(self._k("progress"))])
         value, meta = current[0] if current else (None, None)
-        epoch = (int(value) if meta else 0) + 1
+        epoch, nonce = (int(value) if meta else 0) + 1, uuid.uuid4().hex
         fence = canonical_json({"epoch": epoch, "committed": {str(k): v for k, v in sorted(committed.items())},
-                       "nonce": uuid.uuid4().hex, "time": time.time(), "world_size": self.world_size})
+                                "nonce": nonce, "time": time.time(), "world_size": self.world_size})
         cursor = 0
         while cursor in committed:
             cursor += 1
@@ -236,6 +237,7 @@ class EtcdRecords(Records):
                 self._check_alive(responses[1:])
                 raise StaleEpochError(f"epoch {epoch} was begun by another process")
         self._view = (epoch, dict(committed), set())
+        self._tags[epoch] = layout.tag(epoch, nonce)
         return epoch
 
     def commit(self, layer: int, epoch: int, manifest: dict):
@@ -322,45 +324,42 @@ class EtcdRecords(Records):
         self._worker = canonical_json({"rank": rank, "host": socket.gethostname(), "pid": os.getpid(),
                                        "lease": self._lease, "nonce": uuid.uuid4().hex})
         self.etcd.call("put", self._k(f"workers/{rank}"), self._worker, lease=self._lease)
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._keepalive, name="etcd-lease", daemon=True)
-        self._thread.start()
+        self._last_ok, self._failing = time.monotonic(), None
+        self._watchdog = Watchdog("etcd-lease", self._keepalive, min(1.0, self.ttl / 4),
+                                  lambda reason: self.on_lost(reason)).start()
 
     def detach(self):
         """Stop keeping the lease alive and revoke it (which deletes workers/RANK). Never raises."""
-        if self._thread is None:
+        if self._watchdog is None:
             return
-        self._stop.set()
-        self._thread.join()
-        self._thread = None
+        self._watchdog.stop()
+        self._watchdog = None
         try:
             self.etcd.call_once("revoke_lease", self._lease)
         except Exception as e:  # it expires by itself
             log.debug("revoking lease %s: %s", self._lease, e)
         self._worker = self._lease = None
 
-    def _keepalive(self):
-        interval = min(1.0, self.ttl / 4)
-        last_ok, failing = time.monotonic(), None
-        while not self._stop.wait(interval):
-            sent = time.monotonic()
-            if sent - last_ok > self.ttl:
-                return self.on_lost(f"no keep-alive of its etcd lease for {sent - last_ok:.1f} s (TTL {self.ttl:g} s)")
-            try:
-                ttl = self.etcd.refresh_lease(self._lease)
-            except Exception as e:
-                if failing is None:
-                    log.warning("etcd lease keep-alive failed (%s); the lease lasts %g s", e, self.ttl)
-                failing = e
-                continue
-            if self._stop.is_set():
-                return
-            if ttl <= 0:
-                return self.on_lost(f"etcd says its lease {self._lease:x} has expired")
-            if failing is not None:
-                log.warning("etcd lease keep-alive works again after %.1f s", sent - last_ok)
-                failing = None
-            last_ok = sent
+    def _keepalive(self) -> str | None:
+        """One keep-alive of this rank's lease: the reason to leave if the lease is gone, or if no keep-alive has
+        succeeded for a TTL (the node is frozen, or cut off from etcd, and its lease has expired or soon will)."""
+        sent = time.monotonic()
+        if sent - self._last_ok > self.ttl:
+            return f"no keep-alive of its etcd lease for {sent - self._last_ok:.1f} s (TTL {self.ttl:g} s)"
+        try:
+            ttl = self.etcd.refresh_lease(self._lease)
+        except Exception as e:
+            if self._failing is None:
+                log.warning("etcd lease keep-alive failed (%s); the lease lasts %g s", e, self.ttl)
+            self._failing = e
+            return None
+        if ttl <= 0:
+            return f"etcd says its lease {self._lease:x} has expired"
+        if self._failing is not None:
+            log.warning("etcd lease keep-alive works again after %.1f s", sent - self._last_ok)
+            self._failing = None
+        self._last_ok = sent
+        return None
 
     def _exit(self, reason: str):
         report(f"rank {self.rank}: {reason}; leaving so that no partitioned or frozen worker goes on writing",

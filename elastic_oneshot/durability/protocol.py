@@ -19,6 +19,7 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
+from elastic_oneshot.durability import layout
 from elastic_oneshot.durability.records import Records
 from elastic_oneshot.durability.state import StateStore, load_tensors
 from elastic_oneshot.errors import CorruptStateError
@@ -39,7 +40,7 @@ class CommitProtocol:
         self.view: dict[int, int] = {} if view is None else view
         self._read: dict[str, bytes] = {}  # files read back by `verified` or `solved`, until `read_tensors` uses them
         self._damaged: dict[tuple[int, int], str] = {}  # (layer, epoch) -> why `tensors` found its commit unreadable
-        self._commits: dict[tuple[int, int], dict] = {}  # (layer, epoch) -> its commit, as read (`_commit`)
+        self._commits: dict[tuple[int, int], dict] = {}  # (layer, epoch) -> its commit, as read (`manifest_of`)
 
     # -- reading ------------------------------------------------------------------------------------
     def verified(self) -> dict[int, int]:
@@ -55,7 +56,7 @@ class CommitProtocol:
             try:
                 if (layer, epoch) in self._damaged:
                     raise CorruptStateError(self._damaged[layer, epoch])
-                return layer, epoch, self._verify(self._commit(layer, epoch), layer, epoch, listed)
+                return layer, epoch, self._verify(self.manifest_of(layer, epoch), layer, epoch, listed)
             except CorruptStateError as e:
                 log.warning("layer %d will be redone: %s", layer, e)
                 return layer, epoch, None
@@ -77,9 +78,9 @@ class CommitProtocol:
 
     def manifest(self, layer: int) -> dict:
         """The commit of a layer in `view`."""
-        return self._commit(layer, self.view[layer])
+        return self.manifest_of(layer, self.view[layer])
 
-    def _commit(self, layer: int, epoch: int) -> dict | None:
+    def manifest_of(self, layer: int, epoch: int) -> dict | None:
         """The records' commit of `layer` in `epoch`, None if absent; read once, since a commit never changes once
         created (a restart on an object store would otherwise read every commit several times over)."""
         if (layer, epoch) not in self._commits:
@@ -95,7 +96,7 @@ class CommitProtocol:
         layer is then damaged, and the next `verified` leaves it out."""
         epoch, out = self.view[layer], {}
         try:
-            manifest = self._commit(layer, epoch)
+            manifest = self.manifest_of(layer, epoch)
             if manifest is None:
                 raise CorruptStateError(f"the commit of layer {layer} in epoch {epoch} is missing")
             for record in manifest["weights"]:
@@ -104,6 +105,11 @@ class CommitProtocol:
             self._damaged[layer, epoch] = str(e)
             raise
         return out
+
+    def damaged(self, layer: int, reason: str):
+        """Layer `layer` of `view` was found damaged elsewhere (a replay on any rank): the next `verified` leaves it
+        out."""
+        self._damaged[layer, self.view[layer]] = reason
 
     def read_tensors(self, record: dict) -> dict[str, torch.Tensor]:
         """The tensors of a weight file: from the bytes `verified` or `solved` read back (used once), else read
@@ -123,7 +129,7 @@ class CommitProtocol:
                 continue
             folder, name = record["path"].rsplit("/", 1)
             if folder not in listed:
-                listed[folder] = self.state.storage.sizes(folder)
+                listed[folder] = self.state.sizes(folder)
             size = listed[folder].get(name)
             if size is None:
                 raise CorruptStateError(f"{record['path']} is missing")
@@ -151,7 +157,7 @@ class CommitProtocol:
         manifests = {}
         for layer, epoch in self.view.items():
             try:
-                manifests[layer] = self._commit(layer, epoch)
+                manifests[layer] = self.manifest_of(layer, epoch)
             except CorruptStateError:
                 manifests[layer] = None
         valid = {layer: epoch for layer, epoch in self.view.items() if manifests[layer]}
@@ -169,25 +175,33 @@ class CommitProtocol:
         """Fence a new epoch that builds on `committed` (StaleEpochError if another process began it first)."""
         return self.records.begin_epoch(committed)
 
-    def solved(self, layer: int, epoch: int) -> list[dict]:
-        """Rank 0, when `epoch` starts work on `layer`: the intact solved-group records it may reuse, their files
-        read back against their digests and kept for `read_tensors` (read once). Records of older epochs count only
-        if taken into this epoch's fence for the layer, which the first call writes, so that a stale worker's late
-        writes are never picked up."""
-        folder, fence = f"layers/{layer:05d}", f"layers/{layer:05d}/fence.e{epoch:05d}.json"
+    def solved(self, layer: int, tag: str, lineage: str) -> list[dict]:
+        """Rank 0, when the epoch tagged `tag` starts work on `layer`: the intact solved-group records it may reuse,
+        their files read back against their digests and kept for `read_tensors` (read once). A record counts only if
+        it was written by an epoch of this state, as its name and its body say (never another job's or another
+        copy's), from the same model content up to the layer (`lineage`, model_check.lineage), and, for an older
+        epoch's, if taken into this epoch's fence for the layer, which the first call writes, so that a stale
+        worker's late writes are never picked up."""
+        folder, fence = layout.solved_folder(layer), layout.solved_fence(layer, tag)
         try:
             listed = self.state.read_json(fence)
         except CorruptStateError:
             listed = None
         out, older = [], []
-        for name in sorted(n for n in self.state.names(folder) if n.endswith(".json") and n.startswith("e")):
-            own = name.startswith(f"e{epoch:05d}.")
+        for name in sorted(n for n in self.state.names(folder) if n.endswith(".json")):
+            epoch = layout.epoch_of(name)
+            written = self.records.tag(epoch) if epoch is not None else None
+            own = written == tag
+            if written is None or not name.startswith(f"{written}."):
+                continue
             if not own and listed is not None and name not in listed["records"]:
                 continue
             try:
                 body = self.state.read_json(f"{folder}/{name}")
+                if body.get("tag") != written or body.get("lineage") != lineage:
+                    continue
                 self._read[body["file"]["path"]] = self.state.read_bytes(body["file"])
-            except (CorruptStateError, KeyError, TypeError):
+            except (CorruptStateError, KeyError, TypeError, AttributeError):
                 continue
             out.append(body)
             older += [] if own else [name]
@@ -195,11 +209,13 @@ class CommitProtocol:
             self.state.write_json(fence, {"records": older})
         return out
 
-    def write_solved(self, layer: int, epoch: int, name: str, groups: list[str], tensors: dict) -> dict:
-        """Persist solved groups (named `name` among this epoch's records of the layer) before the commit; their
-        record, {"groups", "file"}, for the commit."""
-        stem = f"layers/{layer:05d}/e{epoch:05d}.{name}"
-        record = {"groups": groups, "file": self.state.write_tensors(f"{stem}.safetensors", tensors)}
+    def write_solved(self, layer: int, tag: str, name: str, groups: list[str], tensors: dict, lineage: str) -> dict:
+        """Persist solved groups (named `name` among the records of the epoch tagged `tag`) before the commit; their
+        record, {"groups", "file", "tag", "lineage"}, for the commit. `lineage`: the model content up to the layer
+        that they were solved from (model_check.lineage)."""
+        stem = layout.solved(layer, tag, name)
+        record = {"groups": groups, "file": self.state.write_tensors(f"{stem}.safetensors", tensors), "tag": tag,
+                  "lineage": lineage}
         self.state.write_json(f"{stem}.json", record)
         return record
 
@@ -210,16 +226,18 @@ class CommitProtocol:
         missing = sorted(set(groups) - {name for r in records for name in r["groups"]})
         if missing:
             raise RuntimeError(f"layer {layer}: no solved record covers {', '.join(missing)}")
-        self.records.commit(layer, epoch, {**manifest, "weights": [r["file"] for r in records]})
+        committed = {**manifest, "weights": [r["file"] for r in records]}
+        self.records.commit(layer, epoch, committed)
+        self._commits[layer, epoch] = committed  # as the records now hold it: the export reads it from here
 
     def prune(self, below: int, epoch: int):
         """Delete boundaries of layers below `below`, unless `epoch` is no longer the newest. Committed records may
         still name them: a reader that misses one recomputes it."""
         if self.records.current_epoch() != epoch:
             return
-        for name in self.state.names("boundaries"):
+        for name in self.state.names(layout.BOUNDARIES):
             if name.isdigit() and int(name) < below:
-                self.state.storage.remove(f"boundaries/{name}", best_effort=True)
+                self.state.remove(layout.boundary_folder(int(name)))
 
 
 def _replayed(valid: dict[int, int], manifests: dict[int, dict]) -> list[int]:

@@ -1,15 +1,17 @@
 """The records: where the truth of a job's progress lives, its epoch fences and layer commits.
 
 Two backends declare the one interface, `Records`: `FileRecords`, files in the state directory (the default;
-docs/state-format.md), and `etcd_records.EtcdRecords` (`--coordinator etcd://...`). `open_records` picks one for
-a state directory. The weights, boundaries and events a commit names are files in the state directory either way
-(state.StateStore); the records only say which of them are valid.
+docs/state-format.md), and `etcd_records.EtcdRecords` (`--coordinator etcd://...`). `coordinator.open_records`
+picks one for a state directory. The weights, boundaries and events a commit names are files in the state directory
+either way (state.StateStore); the records only say which of them are valid.
 """
 
 import abc
 import time
+import uuid
 from collections.abc import Iterator
 
+from elastic_oneshot.durability import layout
 from elastic_oneshot.durability.state import StateStore
 from elastic_oneshot.errors import CorruptStateError, StaleEpochError
 
@@ -19,6 +21,9 @@ class Records(abc.ABC):
     a progress key to watch) has a default here that does nothing."""
 
     url: str | None = None  # the coordinator's URL, without its password, as job.json records it; None: files
+
+    def __init__(self):
+        self._tags: dict[int, str] = {}  # epoch -> its tag, as read or made by this process
 
     @abc.abstractmethod
     def epochs(self) -> list[int]:
@@ -30,7 +35,24 @@ class Records(abc.ABC):
 
     @abc.abstractmethod
     def fence(self, epoch: int) -> dict | None:
-        """Epoch `epoch`'s fence, {"epoch", "committed": {"layer": epoch}, ...}; None if absent."""
+        """Epoch `epoch`'s fence, {"epoch", "committed": {"layer": epoch}, "nonce", ...}; None if absent."""
+
+    def tag(self, epoch: int) -> str | None:
+        """Epoch `epoch`'s tag (layout.tag), under which its workers write; None if its fence is absent or unreadable
+        (then nothing written under it is taken). Read once: a fence never changes once created."""
+        if epoch not in self._tags:
+            found = self._read_tag(epoch)
+            if found is None:
+                return None
+            self._tags[epoch] = found
+        return self._tags[epoch]
+
+    def _read_tag(self, epoch: int) -> str | None:
+        try:
+            fence = self.fence(epoch)
+        except CorruptStateError:
+            return None
+        return layout.tag(epoch, fence["nonce"]) if fence and fence.get("nonce") else None
 
     @abc.abstractmethod
     def committed(self) -> dict[int, int]:
@@ -76,17 +98,18 @@ class FileRecords(Records):
     (an eventually consistent store) costs a refused fence or a layer redone, never a wrong commit."""
 
     def __init__(self, files: StateStore):
+        super().__init__()
         self.files = files
 
     def epochs(self) -> list[int]:
-        return sorted(int(n[:-5]) for n in self.files.names("epochs") if n.endswith(".json") and n[:-5].isdigit())
+        return sorted(e for n in self.files.names(layout.EPOCHS) if (e := layout.fenced(n)) is not None)
 
     def current_epoch(self) -> int:
         return (self.epochs() or [0])[-1]
 
     def fence(self, epoch: int) -> dict | None:
         """CorruptStateError if the fence file is unreadable."""
-        return self.files.read_json(f"epochs/{epoch:05d}.json")
+        return self.files.read_json(layout.fence(epoch))
 
     def committed(self) -> dict[int, int]:
         """If the newest fence is unreadable, an older one is used and the commits in between are not trusted
@@ -100,49 +123,37 @@ class FileRecords(Records):
                 break
             except (CorruptStateError, KeyError, TypeError):
                 continue
-        for name in self.files.names("commits"):
-            layer, _, rest = name.partition(".e")
-            if rest == f"{epoch:05d}.json" and layer.isdigit():
-                view[int(layer)] = epoch
+        for name in self.files.names(layout.COMMITS):
+            if (layer := layout.committed(name, epoch)) is not None:
+                view[layer] = epoch
         return view
 
     def begin_epoch(self, committed: dict[int, int]) -> int:
-        epoch = self.current_epoch() + 1
+        epoch, nonce = self.current_epoch() + 1, uuid.uuid4().hex
         try:
-            self.files.write_json(f"epochs/{epoch:05d}.json", {"epoch": epoch, "committed": {
+            self.files.write_json(layout.fence(epoch), {"epoch": epoch, "nonce": nonce, "committed": {
                 str(k): v for k, v in sorted(committed.items())}}, exclusive=True)
         except FileExistsError:
             raise StaleEpochError(f"epoch {epoch} was begun by another process") from None
+        self._tags[epoch] = layout.tag(epoch, nonce)
         return epoch
 
-    @staticmethod
-    def commit_path(layer: int, epoch: int) -> str:
-        return f"commits/{layer:05d}.e{epoch:05d}.json"
+    commit_path = staticmethod(layout.commit)
 
     def manifest(self, layer: int, epoch: int) -> dict | None:
-        return self.files.read_json(self.commit_path(layer, epoch))
+        return self.files.read_json(layout.commit(layer, epoch))
 
     def commit(self, layer: int, epoch: int, manifest: dict):
+        """Also refused unless the fence of `epoch` here is the one this process created: a state reached through a
+        path that now leads elsewhere (a re-pointed link, a remount, another copy) is found within a layer."""
         current = self.current_epoch()
         if current != epoch:
             raise StaleEpochError(f"epoch {epoch} is stale (epoch {current} has begun): layer {layer} not committed")
+        mine = self._tags.get(epoch)
+        if mine is None or self._read_tag(epoch) != mine:
+            raise StaleEpochError(f"the fence of epoch {epoch} in {self.files.root} is not the one this process "
+                                  f"began (the state's path leads elsewhere now): layer {layer} not committed")
         try:
-            self.files.write_json(self.commit_path(layer, epoch), manifest, exclusive=True)
+            self.files.write_json(layout.commit(layer, epoch), manifest, exclusive=True)
         except FileExistsError:
             raise StaleEpochError(f"layer {layer} was already committed in epoch {epoch}") from None
-
-
-def open_records(state: StateStore, coordinator: str | None = None) -> Records:
-    """The records of the job in `state`: in etcd at `coordinator` if given, else at the coordinator job.json
-    records (so that export, status and a resume find them there), else files in the state directory. The etcd
-    backend is imported only then."""
-    if not coordinator:
-        try:
-            coordinator = ((state.read_json("job.json") or {}).get("job") or {}).get("coordinator")
-        except CorruptStateError:
-            coordinator = None
-    if not coordinator:
-        return FileRecords(state)
-    from elastic_oneshot.durability.etcd_records import EtcdRecords
-
-    return EtcdRecords.from_url(coordinator)

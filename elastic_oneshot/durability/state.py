@@ -3,12 +3,12 @@
 Layout (docs/state-format.md is the specification):
     job.json                          what is being compressed, and its fingerprint
     tokens.safetensors                the calibration samples, [num_samples, seq_len] int64
-    epochs/EEEEE.json                 fence of epoch E: the commits valid when its workers started
+    epochs/EEEEE.json                 fence of epoch E: the commits valid when its workers started, and its nonce
     commits/LLLLL.eEEEEE.json         layer L's manifest from epoch E: written last; it is the commit
-    layers/LLLLL/eEEEEE.rR.bBBBB.{safetensors,json}  solved groups of layer L (tensors, and the record
-                                      naming them), written by rank R of epoch E as soon as solved
-    layers/LLLLL/fence.eEEEEE.json    which older solved records epoch E reuses for layer L
-    boundaries/LLLLL/eEEEEE/chunk-CCCCC.safetensors  inputs of layer L for sample chunk C (boundaries.py)
+    layers/LLLLL/TAG.rR.bBBBB.{safetensors,json}  solved groups of layer L (tensors, and the record naming them),
+                                      written by rank R of the epoch tagged TAG (eEEEEE.NONCE) as soon as solved
+    layers/LLLLL/fence.TAG.json       which older solved records that epoch reuses for layer L
+    boundaries/LLLLL/TAG/chunk-CCCCC.safetensors  inputs of layer L for sample chunk C (boundaries.py)
     events.jsonl                      history for people and `status` (never trusted for progress)
     events/TTTTT.R.json               the same history on an object store, one event per object
 
@@ -45,14 +45,16 @@ from typing import TYPE_CHECKING
 import xxhash
 
 from elastic_oneshot import metrics
+from elastic_oneshot.durability import layout
 from elastic_oneshot.durability.storage import DEBRIS, RETRY_S, open_storage
 from elastic_oneshot.errors import CorruptStateError, StorageError, UsageError
+from elastic_oneshot.jsonforms import canonical_json, record_json
 
 if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger("elastic_oneshot")
-FORMAT = 2  # 2: boundaries behind the commits, xxh3-128 file digests
+FORMAT = 3  # 2: boundaries behind the commits, xxh3-128 file digests; 3: epoch tags, the model's content in commits
 _AHEAD: dict[str, dict[str, Future]] = {}  # root -> path -> its bytes being read ahead, for any StateStore of root
 
 
@@ -74,11 +76,6 @@ def load_tensors(data: bytes) -> dict[str, torch.Tensor]:
     return load(data)
 
 
-def canonical_json(obj) -> bytes:
-    """The one byte form of a record, for checksums and etcd values: keys sorted, no spaces."""
-    return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
-
-
 def default_root(output_dir: str) -> str:
     """Where a job's state lives unless told: beside its output."""
     return f"{output_dir.rstrip('/')}.state"
@@ -95,12 +92,29 @@ class StateStore:
         self.storage = open_storage(root, retry_s)
         self.root = self.storage.root
 
+    @property
+    def local(self) -> str | None:
+        """The directory, for a state on local disk."""
+        return self.storage.local
+
+    def writable(self, option: str):
+        """UsageError, before any work, if the state cannot be written (storage.Storage.writable)."""
+        self.storage.writable(option)
+
     def path(self, rel: str) -> str:
         return self.storage.where(rel)
 
     def names(self, folder: str) -> list[str]:
         """Names in `folder` of the state (files and folders); [] if none."""
         return self.storage.names(folder)
+
+    def sizes(self, folder: str) -> dict[str, int]:
+        """The files in `folder` of the state with their sizes, from one listing; {} if none."""
+        return self.storage.sizes(folder)
+
+    def remove(self, rel: str):
+        """Delete the file or folder `rel` if it can (what is left is removed with the next)."""
+        self.storage.remove(rel, best_effort=True)
 
     # -- files --------------------------------------------------------------------------------
     def write_bytes(self, rel: str, data: bytes, exclusive: bool = False) -> dict:
@@ -163,8 +177,8 @@ class StateStore:
 
     def write_json(self, rel: str, body: dict, exclusive: bool = False):
         """A JSON record that carries its own checksum, so a truncated or edited one is detected."""
-        self.write_bytes(rel, json.dumps({"body": body, "sha256": hashlib.sha256(canonical_json(body)).hexdigest()},
-                                         indent=1, sort_keys=True).encode(), exclusive)
+        self.write_bytes(rel, record_json({"body": body, "sha256": hashlib.sha256(canonical_json(body)).hexdigest()}),
+                         exclusive)
 
     def read_json(self, rel: str) -> dict | None:
         """The record's body; None if absent; CorruptStateError if unreadable or altered."""
@@ -186,7 +200,7 @@ class StateStore:
     def holds(self, job: dict) -> bool:
         """Whether this directory already belongs to `job` (a dict with a 'fingerprint')."""
         try:
-            current = self.read_json("job.json")
+            current = self.read_json(layout.JOB)
         except CorruptStateError:
             return False
         return current is not None and current.get("fingerprint") == job["fingerprint"]
@@ -195,7 +209,7 @@ class StateStore:
         """Start `job` here with its calibration samples. A directory holding another job (or anything
         else) is refused unless `restart`, which clears our files first."""
         try:
-            current = self.read_json("job.json")
+            current = self.read_json(layout.JOB)
         except CorruptStateError as e:
             if not restart:
                 raise UsageError(f"state directory {self.root}: {e}; use --restart to start over") from None
@@ -206,11 +220,11 @@ class StateStore:
             raise UsageError(f"state directory {self.root} is not empty and holds no elastic-oneshot "
                              "job: choose an empty or new directory")
         self.clear()
-        record = self.write_tensors("tokens.safetensors", {"input_ids": tokens})
+        record = self.write_tensors(layout.TOKENS, {"input_ids": tokens})
         try:
-            self.write_json("job.json", {**job, "tokens": record}, exclusive=True)
+            self.write_json(layout.JOB, {**job, "tokens": record}, exclusive=True)
         except FileExistsError:  # another process claimed the directory since it was read above
-            raise self._taken(self.read_json("job.json") or {}, job) from None
+            raise self._taken(self.read_json(layout.JOB) or {}, job) from None
 
     def _taken(self, current: dict, job: dict) -> UsageError:
         """Why `job` cannot start in this directory, which holds `current` (job.json's body)."""
@@ -225,7 +239,7 @@ class StateStore:
     def _foreign(self) -> list[str]:
         """Entries of a directory without job.json that a first claim, interrupted, did not leave."""
         names = self.names("")
-        return [n for n in names if n != "tokens.safetensors" and not DEBRIS.fullmatch(n)]
+        return [n for n in names if n != layout.TOKENS and not DEBRIS.fullmatch(n)]
 
     def tokens(self) -> torch.Tensor:
         """The job's calibration samples, as fixed when it started."""
@@ -241,14 +255,13 @@ class StateStore:
         self.write_bytes(record["path"], data)
 
     def job(self) -> dict:
-        job = self.read_json("job.json")
+        job = self.read_json(layout.JOB)
         if job is None:
             raise UsageError(f"{self.root} holds no elastic-oneshot state (no job.json)")
         return job
 
     def clear(self):
-        for name in ("commits", "layers", "boundaries", "epochs", "job.json", "tokens.safetensors",
-                     "events.jsonl", "events"):
+        for name in layout.EVERYTHING:
             self.storage.remove(name)
         self.storage.make_root()
         self.remove_debris()

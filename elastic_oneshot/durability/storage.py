@@ -22,6 +22,7 @@ AZURE_STORAGE_*).
 
 import abc
 import contextlib
+import ctypes
 import datetime
 import errno
 import json
@@ -30,6 +31,7 @@ import os
 import pathlib
 import re
 import shutil
+import tempfile
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -38,7 +40,9 @@ import obstore
 import obstore.exceptions
 from obstore.store import from_url
 
+from elastic_oneshot.durability import layout
 from elastic_oneshot.errors import StorageError, UsageError
+from elastic_oneshot.jsonforms import event_line
 from elastic_oneshot.retry import retrying
 
 log = logging.getLogger("elastic_oneshot")
@@ -47,6 +51,7 @@ DEBRIS = re.compile(r".+\.tmp(\d+)")  # the temporary name of a local write that
 URL = re.compile(r"[a-z][a-z0-9+.-]*://")
 PART = 8 << 20  # bytes: objects larger than this go up as multipart uploads and come down as ranged reads, in parallel
 RETRY_S = 20.0  # s of retries of one request by default; a job passes half its collective timeout
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2  # from <fcntl.h> and <linux/fs.h>
 _TRANSIENT = re.compile(r"status code: (5\d\d|429)|error sending request|error decoding response body|timed out|"
                         r"[Cc]onnection (reset|closed|refused)|SlowDown|Throttl")
 
@@ -56,19 +61,25 @@ def is_url(location) -> bool:
     return isinstance(location, str) and bool(URL.match(location))
 
 
-def open_storage(location: str, retry_s: float = RETRY_S) -> "Storage":
-    """The storage at `location`: a URL names an object store (its requests retried for `retry_s` seconds),
-    anything else a local directory."""
-    return ObjectStorage(location, retry_s) if is_url(location) else LocalStorage(location)
+def open_storage(location: str, retry_s: float = RETRY_S, option: str = "--state") -> "Storage":
+    """The storage at `location` (given as `option`): a URL names an object store (its requests retried for `retry_s`
+    seconds), anything else a local directory."""
+    return ObjectStorage(location, retry_s) if is_url(location) else LocalStorage(location, option)
 
 
 class Storage(abc.ABC):
     """Objects named by paths relative to `root` ("layers/00003/e00001.r0.b0000.json"), written whole."""
 
     root: str  # shown to people: an absolute directory or the URL
+    local: str | None = None  # the directory, for a local one: the checks that model, state and output are apart
 
     def where(self, rel: str) -> str:
         return f"{self.root}/{rel}"
+
+    @abc.abstractmethod
+    def writable(self, option: str, beside: bool = False):
+        """UsageError, before any work, if nothing can be written here (or `beside` it, where a directory is built
+        and moved into place); `option` names it."""
 
     @abc.abstractmethod
     def put(self, rel: str, data: bytes, exclusive: bool = False):
@@ -104,10 +115,11 @@ class Storage(abc.ABC):
     def events(self) -> list[dict]:
         """The history: lines of events.jsonl, then the objects under events/ in the order of their names (time),
         skipping what a kill tore."""
-        lines = (self.get("events.jsonl") or b"").decode(errors="replace").splitlines()
-        names = sorted(n for n in self.names("events") if n.endswith(".json"))
+        lines = (self.get(layout.EVENTS) or b"").decode(errors="replace").splitlines()
+        names = sorted(n for n in self.names(layout.EVENT_FOLDER) if n.endswith(".json"))
         with ThreadPoolExecutor(16) as pool:
-            lines += [(b or b"").decode(errors="replace") for b in pool.map(self.get, [f"events/{n}" for n in names])]
+            lines += [(b or b"").decode(errors="replace")
+                      for b in pool.map(self.get, [f"{layout.EVENT_FOLDER}/{n}" for n in names])]
         out = []
         for line in lines:
             try:
@@ -161,16 +173,55 @@ def _alive(pid: int) -> bool:
 
 class LocalStorage(Storage):
     """A directory: every file written to `NAME.tmpPID`, fsynced, then renamed (or, if exclusive, hard-linked) to
-    `NAME`, and its directory fsynced."""
+    `NAME`, and its directory fsynced. Its path is resolved once, when opened: a link in it re-pointed while the job
+    runs leaves the job where it began (it would otherwise write into whatever the link leads to now)."""
 
-    def __init__(self, root: str):
-        self.root = os.path.abspath(root)
+    def __init__(self, root: str, option: str = "--state"):
+        self.given, self.root = root, os.path.realpath(root)  # as given, for messages; as resolved, for use
+        self.local = self.root
         if os.path.exists(self.root) and not os.path.isdir(self.root):
-            raise UsageError(f"state directory {self.root} is a file: give --state a new directory or one "
-                             "holding a state")
+            raise UsageError(f"{option} {root} is a file, not a directory: give a directory path")
 
     def where(self, rel: str) -> str:
         return os.path.join(self.root, rel)
+
+    def writable(self, option: str, beside: bool = False):
+        """Create and remove a file where the directory (existing or to be made) will be written, or `beside` it.
+        A dangling link is refused, not created: it may lead into a filesystem that is not mounted."""
+        if os.path.islink(self.given) and not os.path.exists(self.given):
+            raise UsageError(f"{option} {self.given} is a symbolic link to {os.readlink(self.given)}, which does not "
+                             "exist: create it (or mount what holds it), or give another path")
+        where = os.path.dirname(self.root.rstrip(os.sep)) if beside else self.root
+        while not os.path.isdir(where):
+            if os.path.lexists(where):
+                raise UsageError(f"{option} {self.given}: {where} is a file, not a directory: give a path under a "
+                                 "directory")
+            where = os.path.dirname(where)
+        try:
+            fd, probe = tempfile.mkstemp(prefix=".elastic-oneshot-probe-", dir=where)
+            os.close(fd)
+            os.remove(probe)
+        except OSError as e:
+            raise UsageError(f"{option} {self.given}: cannot create a file in {where} "
+                             f"({errno.errorcode.get(e.errno, e.errno)}: {e.strerror}): give a writable "
+                             "location") from None
+
+    def swap(self, built: str):
+        """The directory `built` becomes this one. A previous one is swapped with it in one step where the
+        filesystem can (renameat2's RENAME_EXCHANGE: this directory is never missing), else moved to ROOT.old
+        first; either way it is removed last."""
+        old = f"{self.root}.old"
+        if os.path.lexists(old):
+            shutil.rmtree(old)
+        if os.path.isdir(self.root) and os.listdir(self.root):
+            if _exchange(built, self.root):
+                shutil.rmtree(built)  # the previous one, now there
+                return
+            os.replace(self.root, old)
+            os.replace(built, self.root)
+            shutil.rmtree(old)
+        else:
+            os.replace(built, self.root)  # rename(2) also replaces an empty directory
 
     def put(self, rel: str, data: bytes, exclusive: bool = False):
         path = self.where(rel)
@@ -219,10 +270,10 @@ class LocalStorage(Storage):
         os.makedirs(self.root, exist_ok=True)
 
     def append_event(self, event: dict):
-        path = self.where("events.jsonl")
+        path = self.where(layout.EVENTS)
         try:
-            with open(path, "a") as f:
-                f.write(json.dumps(event, sort_keys=True) + "\n")
+            with open(path, "ab") as f:
+                f.write(event_line(event))
         except OSError as e:
             raise StorageError(path, e) from None
 
@@ -235,6 +286,20 @@ class LocalStorage(Storage):
                 found = DEBRIS.fullmatch(name)
                 if found and not _alive(int(found.group(1))):
                     os.remove(os.path.join(folder, name))
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swap the directories `a` and `b` atomically (Linux's renameat2 with RENAME_EXCHANGE); False where the
+    system or the filesystem cannot."""
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, os.strerror(code), b)
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -254,7 +319,7 @@ class ObjectStorage(Storage):
     counts as lost, which is safe (the caller stops as stale; the object, if its own, is a valid record)."""
 
     def __init__(self, url: str, retry_s: float = RETRY_S):
-        self.root, self.retry_s = url.rstrip("/"), retry_s
+        self.root, self.given, self.retry_s = url.rstrip("/"), url, retry_s
         kwargs = {"mkdir": True} if self.root.startswith("file://") else aws_options(self.root)
         self.store = from_url(self.root, retry_config={"max_retries": 0, "retry_timeout": _seconds(retry_s)},
                               **kwargs)
@@ -323,14 +388,20 @@ class ObjectStorage(Storage):
             if not best_effort:
                 raise StorageError(self.where(rel), OSError(errno.EIO, _first_line(e))) from None
 
+    def writable(self, option: str, beside: bool = False):
+        """A probe object written and deleted: credentials, bucket and permissions checked before any work."""
+        probe = f".elastic-oneshot-probe-{uuid.uuid4().hex}"
+        self.put(probe, b"")
+        self.remove(probe)
+
     def _unreadable(self, rel: str, e: Exception) -> OSError:
         """A failed read as the OSError the command line reports (denied, or unreachable past the retries)."""
         return OSError(errno.EIO, _first_line(e), self.where(rel))
 
     def append_event(self, event: dict):
         """events/<time in ns>.<random>.json: a name no other writer uses, in time order."""
-        self.put(f"events/{time.time_ns():020d}.{uuid.uuid4().hex[:12]}.json",
-                 (json.dumps(event, sort_keys=True) + "\n").encode())
+        self.put(layout.event_object(time.time_ns(), uuid.uuid4().hex[:12]),
+                 event_line(event))
 
 
 def aws_options(url: str) -> dict:

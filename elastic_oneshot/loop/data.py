@@ -192,3 +192,8 @@ def chunk_bounds(num_samples: int, chunk_size: int) -> list[tuple[int, int]]:
 def partition(num_chunks: int, world_size: int, rank: int) -> range:
     """This rank's contiguous, balanced slice of chunk ids (sizes differ by at most one)."""
     return range(rank * num_chunks // world_size, (rank + 1) * num_chunks // world_size)
+
+
+def own_chunks(num_samples: int, chunk_size: int, world_size: int, rank: int) -> list[int]:
+    """The ids of the chunks rank `rank` of `world_size` calibrates and propagates."""
+    return list(partition(len(chunk_bounds(num_samples, chunk_size)), world_size, rank))

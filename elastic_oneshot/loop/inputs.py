@@ -20,9 +20,8 @@ from elastic_oneshot.distributed import signals
 from elastic_oneshot.durability.protocol import CommitProtocol
 from elastic_oneshot.durability.state import StateStore
 from elastic_oneshot.errors import CorruptStateError, UsageError
-from elastic_oneshot.models.moe import streamed
-from elastic_oneshot.models.source import Embedder, SourceModel
-from elastic_oneshot.quantization.packing import unpack_into, unpacked
+from elastic_oneshot.loop.layer_step import LayerStep
+from elastic_oneshot.models.source import Embedder
 
 log = logging.getLogger("elastic_oneshot")
 
@@ -39,18 +38,16 @@ def to_device(obj, device):
 
 
 class LayerInputs:
-    """Inputs of any layer for this rank's chunks. `quantized` lists each layer's quantized modules (names local
-    to the layer); `chunks` are every chunk's sample bounds, `own` the ids of this rank's; `protocol` says which
-    layers are committed, with which weights, and which boundaries are durable."""
+    """Inputs of any layer for this rank's chunks. `step` runs committed layers (replays); `chunks` are every chunk's
+    sample bounds, `own` the ids of this rank's; `protocol` says which layers are committed, with which weights, and
+    which boundaries are durable."""
 
-    def __init__(self, state: StateStore, source: SourceModel, seq_len: int, scheme,
-                 quantized: list[list[str]], chunks: list[tuple[int, int]], own: list[int], device,
+    def __init__(self, state: StateStore, step: LayerStep, chunks: list[tuple[int, int]], own: list[int],
                  protocol: CommitProtocol):
-        self.state, self.source, self.seq_len, self.scheme = state, source, seq_len, scheme
-        self.quantized, self.chunks, self.own, self.device = quantized, chunks, own, device
-        self.protocol = protocol
+        self.state, self.step, self.source, self.seq_len = state, step, step.source, step.seq_len
+        self.chunks, self.own, self.device, self.protocol = chunks, own, step.device, protocol
         self.budget: int | None = None  # bytes a layer may take (source.load_layer): the runner's, for each epoch
-        self.embedder = Embedder(source)
+        self.embedder = Embedder(self.source)
         self._kwargs: dict = {}
         self._held_layer: int | None = None
         self._held: dict[int, torch.Tensor] = {}
@@ -58,22 +55,22 @@ class LayerInputs:
         self._fetching: tuple[int, dict[int, Future]] | None = None  # a boundary's chunks being read ahead
 
     @classmethod
-    def tried(cls, state: StateStore, source: SourceModel, *args) -> "LayerInputs":
-        """LayerInputs(state, source, *args) once layer 0 has run on one sample of zeros, called as the run calls
-        it (which also caches its keyword arguments). Whatever fails there (a decoder the layer loop cannot drive)
-        is the one-line refusal that names the model type and the failing call, before any work."""
+    def tried(cls, state: StateStore, step: LayerStep, *args) -> "LayerInputs":
+        """LayerInputs(state, step, *args) once layer 0 has run on one sample of zeros, called as the run calls it
+        (which also caches its keyword arguments). Whatever fails there (a decoder the layer loop cannot drive) is
+        the one-line refusal that names the model type and the failing call, before any work."""
         try:
-            inputs = cls(state, source, *args)
+            inputs = cls(state, step, *args)
             with torch.inference_mode():
                 x = inputs.embedder(torch.zeros(1, inputs.seq_len, dtype=torch.int64))
-                inputs.forward(source.load_layer(0, inputs.device, budget=0), 0, x.to(inputs.device))
+                inputs.forward(step.source.load_layer(0, inputs.device, budget=0), 0, x.to(inputs.device))
         except (UsageError, signals.Preempted, torch.OutOfMemoryError, MemoryError):  # not the model's fault
             raise
         except Exception as e:
             frame = traceback.extract_tb(e.__traceback__)[-1]
             where = f"{frame.name} ({os.path.basename(frame.filename)}:{frame.lineno})"
-            source.refuse(f"a trial of its first decoder layer fails in {where}: {type(e).__name__}: "
-                          f"{(str(e).splitlines() or [''])[0]}")
+            step.source.refuse(f"a trial of its first decoder layer fails in {where}: {type(e).__name__}: "
+                               f"{(str(e).splitlines() or [''])[0]}")
         return inputs
 
     @functools.cached_property
@@ -88,17 +85,20 @@ class LayerInputs:
         return self._kwargs[layer]
 
     def forward(self, module, layer: int, x: torch.Tensor) -> torch.Tensor:
-        """The layer on a chunk, one sample at a time, as the peer runs it: cache-friendly on CPU (a
-        batch's attention scores outgrow the cache) and the same bits in every pass and replay."""
-        outputs = [module(sample, **self.kwargs(layer)) for sample in x.split(1)]
-        return torch.cat([y[0] if isinstance(y, tuple) else y for y in outputs])
+        """Layer `layer` (`module`) on a chunk's inputs `x`, as every pass runs it (LayerStep.forward)."""
+        return self.step.forward(module, x, self.kwargs(layer))
 
     def each(self, layer: int):
         """This rank's chunks with their inputs to `layer`, on the device."""
         if self._held_layer != layer:
-            self._restore(layer)
+            self.restore(layer)
         for chunk in self.own:
             yield chunk, self._held[chunk].to(self.device, non_blocking=True)
+
+    @property
+    def held_layer(self) -> int | None:
+        """The layer whose inputs are held in memory."""
+        return self._held_layer
 
     def held_bytes(self) -> int:
         """The bytes of this rank's chunks' inputs held in memory: what a boundary of theirs writes."""
@@ -126,37 +126,18 @@ class LayerInputs:
         return torch.empty(x.shape, dtype=x.dtype, pin_memory=True).copy_(x)
 
     def quantized_layer(self, layer: int) -> torch.nn.Module:
-        """A committed layer with its quantized weights, on the device."""
-        module = self.source.load_layer(layer, self.device, self.budget)
-        self.unpack(module, layer, to_device(self.protocol.tensors(layer), self.device))
-        return module
+        """A committed layer with its quantized weights, on the device; DamagedLayer if they do not read back."""
+        try:
+            tensors = self.protocol.tensors(layer)
+        except CorruptStateError as e:
+            raise DamagedLayer(layer, str(e)) from None
+        return self.step.quantized_layer(layer, to_device(tensors, self.device), self.budget)
 
-    def unpack(self, module: torch.nn.Module, layer: int, tensors: dict):
-        """Put the layer's committed quantized weights (compressed `tensors`) into `module`; the experts that it
-        streams get theirs each time they are called."""
-        containers = streamed(module)
-        inside = tuple(f"{c}." for c in containers)
-        unpack_into(module, f"{self.source.layer_prefix}{layer}.",
-                    [n for n in self.quantized[layer] if not n.startswith(inside)], tensors, self.scheme)
-        for name, container in containers.items():
-            container.fetch = functools.partial(self._expert, layer, name, tensors)
-
-    def _expert(self, layer: int, container: str, tensors: dict, e: int) -> dict:
-        """Expert `e` of a streamed `container` of `layer` as committed: its quantized weights decompressed from
-        `tensors`, the others original."""
-        local = f"{container}.{e}."
-        quantized = [n[len(local):] for n in self.quantized[layer] if n.startswith(local)]
-        weights = self.source.expert(layer, container, e, self.device, tuple(f"{q}.weight" for q in quantized))
-        expert, prefix = self.source.layers[layer].get_submodule(local[:-1]), f"{self.source.layer_prefix}{layer}."
-        for q in quantized:
-            weights[f"{q}.weight"] = unpacked(tensors, prefix + local + q, self.scheme[prefix + local + q],
-                                              expert.get_submodule(q).weight.dtype)
-        return weights
-
-    def _restore(self, layer: int):
+    def restore(self, layer: int):
         """Inputs to `layer` from storage: the newest durable boundary at or below it that reads back intact,
         else the embeddings, then forward through the committed layers in between. The boundary's chunks are
-        taken as they arrive (`prefetch`): the first replayed layer runs on those already there."""
+        taken as they arrive (`prefetch`): the first replayed layer runs on those already there. DamagedLayer if a
+        committed layer in between does not read back."""
         began, held, waited = time.perf_counter(), None, [0.0]
         fetching, self._fetching = self._fetching, None
         for start, records in self.protocol.durable(layer):
@@ -211,6 +192,14 @@ class LayerInputs:
 
 class _Damaged(Exception):
     """A boundary chunk that does not read back."""
+
+
+class DamagedLayer(Exception):
+    """A committed layer that a replay needs does not read back (`layer`; the message says why)."""
+
+    def __init__(self, layer: int, reason: str):
+        super().__init__(reason)
+        self.layer = layer
 
 
 def _arrival(get, waited: list[float]):

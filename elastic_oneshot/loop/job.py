@@ -2,9 +2,9 @@
 
 import dataclasses
 import hashlib
-import json
 
 from elastic_oneshot.durability.state import FORMAT
+from elastic_oneshot.jsonforms import fingerprint_json
 from elastic_oneshot.quantization.recipe import Recipe
 
 
@@ -44,5 +44,5 @@ def job_record(job: Job, model_digest: str, num_layers: int) -> dict:
                     "chunk_size": job.chunk_size, "moe_calibrate": job.moe_calibrate,
                     "attention": job.attention},
     }
-    fingerprint = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+    fingerprint = hashlib.sha256(fingerprint_json(identity)).hexdigest()
     return {"fingerprint": fingerprint, "identity": identity, "job": job.to_dict(), "num_layers": num_layers}

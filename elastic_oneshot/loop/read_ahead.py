@@ -12,10 +12,10 @@ import logging
 import os
 import threading
 
+from elastic_oneshot.durability.coordinator import open_records
 from elastic_oneshot.durability.protocol import CommitProtocol
-from elastic_oneshot.durability.records import FileRecords
 from elastic_oneshot.durability.state import StateStore
-from elastic_oneshot.loop.data import chunk_bounds, partition
+from elastic_oneshot.loop.data import own_chunks
 
 log = logging.getLogger("elastic_oneshot")
 
@@ -36,12 +36,12 @@ def _read_ahead(state_dir: str | None, world_size: int, rank: int):
         return
     try:
         state = StateStore(state_dir, retry_s=1.0)
-        job = state.read_json("job.json")
-        if job is None or job["job"].get("coordinator"):
+        job = state.job()
+        if job["job"].get("coordinator"):
             return
         samples = job["identity"]["samples"]
-        own = list(partition(len(chunk_bounds(samples["num_samples"], samples["chunk_size"])), world_size, rank))
-        records = FileRecords(state)
+        records = open_records(state)
+        own = own_chunks(samples["num_samples"], samples["chunk_size"], world_size, rank)
         files = CommitProtocol(state, records, records.committed()).first_reads(own)
         if files:
             state.read_ahead(files)

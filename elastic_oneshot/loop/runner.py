@@ -12,7 +12,6 @@ the epoch is set up (from the process's start, where the command line began it: 
 bounded by its download.
 """
 
-import contextlib
 import dataclasses
 import logging
 import os
@@ -22,24 +21,23 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
-from elastic_oneshot import metrics
+from elastic_oneshot import events, metrics
 from elastic_oneshot.distributed import signals
 from elastic_oneshot.distributed.world import World
 from elastic_oneshot.durability.boundaries import Boundaries, Priority, mtbf_from
 from elastic_oneshot.durability.protocol import CommitProtocol
 from elastic_oneshot.durability.records import Records
 from elastic_oneshot.durability.state import StateStore
-from elastic_oneshot.errors import CorruptStateError, StaleEpochError, StorageError
-from elastic_oneshot.loop.calibration import Calibration
-from elastic_oneshot.loop.data import chunk_bounds, partition
-from elastic_oneshot.loop.inputs import LayerInputs, to_device
+from elastic_oneshot.errors import CorruptStateError, StaleEpochError, StorageError, UsageError
+from elastic_oneshot.loop import model_check
+from elastic_oneshot.loop.data import chunk_bounds, own_chunks
+from elastic_oneshot.loop.inputs import DamagedLayer, LayerInputs, to_device
 from elastic_oneshot.loop.job import Job
-from elastic_oneshot.models.moe import experts_mode, streamed
+from elastic_oneshot.loop.layer_step import LayerStep, timed
+from elastic_oneshot.models.content import Content
+from elastic_oneshot.models.moe import streamed
 from elastic_oneshot.models.source import SourceModel
-from elastic_oneshot.quantization.executor import Executor
-from elastic_oneshot.quantization.packing import LayerPacking
-from elastic_oneshot.quantization.plan import Group, layer_groups, make_plan, memory_batches
-from elastic_oneshot.surface.progress import LayerBar
+from elastic_oneshot.quantization.plan import Group, memory_batches
 
 log = logging.getLogger("elastic_oneshot")
 COMMITS_BEHIND = 1  # layers computed but not committed: their files upload while the next layer computes
@@ -51,26 +49,11 @@ def _io_thread() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=1, initializer=torch.set_num_threads, initargs=(1,))
 
 
-@contextlib.contextmanager
-def _timed(seconds: dict, phase: str):
-    start = time.perf_counter()
-    try:
-        yield
-    finally:
-        _device_done()
-        seconds[phase] = seconds.get(phase, 0.0) + time.perf_counter() - start
-
-
-def _device_done():
-    """On a GPU, wait for the work queued so far: a phase's seconds are then its own, not the next phase's."""
-    if torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-
-
 @dataclasses.dataclass
 class Computed:
     """A layer computed on this rank and not yet committed: what its commit needs. `reused`: the records of
-    groups an earlier attempt solved; `writes`: futures of this rank's records of the others."""
+    groups an earlier attempt solved; `writes`: futures of this rank's records of the others; `source`: the
+    digest of the layer's content as this rank read it."""
 
     layer: int
     groups: list[str]
@@ -78,30 +61,45 @@ class Computed:
     writes: list[Future]
     notes: dict
     seconds: dict
+    source: str
+
+
+class _Redo(Exception):
+    """Committed layers that a replay found damaged, on some rank: every rank begins a new epoch without them."""
 
 
 class Runner:
     """One rank's part of the job. `schemes`: each quantized module's (full name -> QuantizationScheme, the
     recipe's module_schemes); `boundary_every` and `mtbf_s` (None: the job's own, from its events) set how often
     boundaries are written (boundaries.py); `max_memory` (bytes; None: 80 % of what the device has free when an
-    epoch begins, the least over ranks) bounds a layer's working set (plan.memory_batches)."""
+    epoch begins, the least over ranks) bounds a layer's working set (plan.memory_batches). `model_changed`: what a
+    start does when committed layers were computed from other model content than the files hold now (model_check):
+    "refuse" in one line, or "redo" from the first changed layer. `progress` is told the layers committed, of all,
+    when the run begins and after each commit."""
 
     def __init__(self, job: Job, state: StateStore, records: Records, source: SourceModel, world: World,
                  schemes: dict, boundary_every: int | None = None, mtbf_s: float | None = None,
-                 max_memory: int | None = None):
-        self.job, self.state, self.source, self.world = job, state, source, world
+                 max_memory: int | None = None, model_changed: str = "refuse",
+                 progress: Callable[[int, int], None] = lambda done, total: None):
+        self.job, self.state, self.source, self.world, self.progress = job, state, source, world, progress
         self.rank, self.device = world.rank, world.device
         self.protocol = CommitProtocol(state, records)
         self.epoch, self.committed = 0, {}  # set by begin_epoch(): this epoch, and layer -> epoch of its commit
-        self.schemes = schemes
+        self.tag = ""  # this epoch's tag: what its workers write lives under it (layout.tag)
+        self.began: set[int] = set()  # the epochs this process began
+        self.content, self.model_changed = Content(source), model_changed
+        self.stats: dict[str, str] = {}  # the model's shard stats when the epoch began: unchanged at every commit
+        self.digests: dict[int, Future] = {}  # layer -> its content digest: committed ones' as their commits record
+        # them (checked against the files when the epoch began), the others' as read this epoch, on their own thread
+        self.hasher = ThreadPoolExecutor(max_workers=1)
+        self.step = LayerStep(source, schemes, job.recipe, world, world.device, job.seq_len, job.num_samples,
+                              job.moe_calibrate == "all")
         self.chunks = chunk_bounds(job.num_samples, job.chunk_size)
-        self.layer_modules = source.by_layer(list(schemes))  # per layer, names local to it
         self.io = _io_thread()  # solved groups; boundaries have their own, so a commit never queues behind one
         self.priority = Priority()  # and their chunks wait while solved groups upload
         self.pending: list[Computed] = []  # layers computed, not yet committed, oldest first
-        own = list(partition(len(self.chunks), world.size, self.rank))
-        self.inputs = LayerInputs.tried(state, source, job.seq_len, self.schemes, self.layer_modules, self.chunks,
-                                        own, self.device, self.protocol)
+        own = own_chunks(job.num_samples, job.chunk_size, world.size, self.rank)
+        self.inputs = LayerInputs.tried(state, self.step, self.chunks, own, self.protocol)
         self.boundaries = Boundaries(state, _io_thread(), boundary_every, source.num_layers, len(self.chunks),
                                      self.priority)
         self.mtbf_s, self.max_memory, self.memory = mtbf_s, max_memory, 0
@@ -109,22 +107,28 @@ class Runner:
 
     # -- epochs ---------------------------------------------------------------------------------------
     def begin_epoch(self, valid: dict[int, int] | None = None):
-        """Fence a new epoch on what verifies now (`valid`, if rank 0 just verified); every rank learns the epoch
-        and the committed layers."""
-        start = None
+        """Fence a new epoch on what verifies now (`valid`, if rank 0 just verified) and on the model's content
+        (every rank checks its files); every rank learns the epoch, its tag and the committed layers."""
+        vouched = None
         if self.rank == 0:
             began = time.perf_counter()
             valid = self.protocol.verified() if valid is None else valid
             log.info("%d committed layers verified in %.1f s", len(valid), time.perf_counter() - began)
-            try:
-                mtbf = self.mtbf_s or mtbf_from(self.state.events(), time.time())
-                start = {"epoch": self.protocol.begin_epoch(valid), "committed": valid, "mtbf": mtbf}
-            except StaleEpochError as e:
-                start = {"error": str(e)}
+            vouched = model_check.vouchers({layer: self.protocol.manifest_of(layer, epoch)
+                                            for layer, epoch in valid.items()})
+        vouched = self.world.broadcast_object(vouched)
+        self.stats, self.digests = self.content.stats(), {}
+        changes = [c for c in self.world.gather_objects(model_check.changed(self.content, vouched, self.stats)) if c]
+        start = None
+        if self.rank == 0:
+            start = self._fence(valid, min(changes) if changes else None)
         start = self.world.broadcast_object(start)
         if "error" in start:
-            raise StaleEpochError(start["error"])
-        self.epoch, self.committed = start["epoch"], start["committed"]
+            raise (UsageError if start.get("usage") else StaleEpochError)(start["error"])
+        self.epoch, self.tag, self.committed = start["epoch"], start["tag"], start["committed"]
+        for layer in self.committed:
+            self.digests[layer] = Future()
+            self.digests[layer].set_result(vouched["layers"][layer][0])
         self.protocol.view = self.committed
         self.boundaries.restart([b for b, _ in self.protocol.durable(self.source.num_layers)], start["mtbf"])
         todo = [layer for layer in range(self.source.num_layers) if layer not in self.committed]
@@ -136,12 +140,31 @@ class Runner:
         metrics.epoch_began(self.epoch, self.world.size, self.source.num_layers, self.committed,
                             self.boundaries.durable)
         if self.rank == 0:
-            self.state.append_event({"event": "start", "time": time.time(), "epoch": self.epoch,
-                                     "world_size": self.world.size, "committed": len(self.committed),
-                                     "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))})
+            self.state.append_event(events.start(self.epoch, self.world.size, len(self.committed),
+                                                 int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))))
             metrics.history(self.state)
             log.info("epoch %d, world size %d: %d of %d layers committed; next is layer %s", self.epoch,
                      self.world.size, len(self.committed), self.source.num_layers, todo[0] if todo else "none")
+
+    def _fence(self, valid: dict[int, int], change: tuple[int, str] | None) -> dict:
+        """Rank 0: the new epoch's start for every rank, on the `valid` commits less the layers from the first one
+        whose content `change`d ({"error"} if the model changed and that is refused, or another process won)."""
+        if change is not None:
+            layer, files = change
+            if self.model_changed != "redo":
+                return {"usage": True, "error": f"model {self.source.path} has changed since layer {layer} was "
+                        f"committed (its tensors in {files} differ): restore the model, or pass --model-changed "
+                        f"redo to redo layers {layer}..{self.source.num_layers - 1} from it, or --restart"}
+            log.warning("model %s has changed since layer %d was committed (%s): layers %d..%d will be redone",
+                        self.source.path, layer, files, layer, self.source.num_layers - 1)
+            valid = {k: v for k, v in valid.items() if k < layer}
+        try:
+            mtbf = self.mtbf_s or mtbf_from(self.state.events(), time.time())
+            epoch = self.protocol.begin_epoch(valid)
+        except StaleEpochError as e:
+            return {"error": str(e)}
+        self.began.add(epoch)
+        return {"epoch": epoch, "tag": self.protocol.records.tag(epoch), "committed": valid, "mtbf": mtbf}
 
     def run(self, final: Callable[[CommitProtocol], None]):
         """Process every uncommitted layer; then rank 0 calls `final` (the export's weights), which reads every
@@ -171,17 +194,14 @@ class Runner:
                 return valid
 
         self.begin_epoch()
-        self.progress = LayerBar(self.source.num_layers, len(self.committed), show=self.rank == 0)
+        self.progress(len(self.committed), self.source.num_layers)
         with torch.inference_mode():
             while True:
-                for layer in range(self.source.num_layers):
-                    if layer not in self.committed:
-                        if self.pending and self.pending[-1].layer != layer - 1:
-                            self.settle()  # its inputs are replayed through the layers computed before it
-                        if not self.pending:  # else SIGTERM is asked of every rank at the next commit
-                            signals.check(f"before layer {layer}")
-                        self.process(layer)
-                self.settle()
+                try:
+                    self._layers()
+                except _Redo:
+                    self.begin_epoch()
+                    continue
                 outcome = None
                 if self.rank == 0:
                     with ThreadPoolExecutor(max_workers=1) as pool:  # outside inference mode, as a thread's own
@@ -201,53 +221,97 @@ class Runner:
                     return
                 self.begin_epoch(outcome)
 
+    def _layers(self):
+        """Every layer the epoch has not committed, in order, all committed at the end."""
+        for layer in range(self.source.num_layers):
+            if layer not in self.committed:
+                if self.pending and self.pending[-1].layer != layer - 1:
+                    self.settle()  # its inputs are replayed through the layers computed before it
+                if not self.pending:  # else SIGTERM is asked of every rank at the next commit
+                    signals.check(f"before layer {layer}")
+                self.process(layer)
+        self.settle()
+
+    def restore(self, layer: int):
+        """The inputs of `layer` from storage, on every rank at once (after a start or a gap; nothing is pending). A
+        committed layer that the replay finds damaged, on any rank, is redone as a damaged commit is: _Redo, after
+        which a new epoch begins without it (replaying from the newest durable input before it). One damaged again
+        after this process committed it means that the storage damages what it is given: that stops the run."""
+        damaged = None
+        try:
+            self.inputs.restore(layer)
+        except DamagedLayer as e:
+            damaged = (e.layer, str(e))
+        found = sorted(d for d in self.world.gather_objects(damaged) if d)
+        if not found:
+            return
+        for index, reason in found:
+            log.warning("layer %d will be redone: %s", index, reason)
+            if self.committed[index] in self.began:
+                raise CorruptStateError(f"layer {index}, committed by this process, no longer reads back ({reason}): "
+                                        "the state's storage damages what it stores")
+            self.protocol.damaged(index, reason)
+        raise _Redo()
+
     # -- one layer ------------------------------------------------------------------------------------
     def process(self, layer: int):
-        """One layer: calibrate, solve, propagate; then commit the layers computed before it but the newest
-        COMMITS_BEHIND, whose files upload while the next layer computes."""
+        """One layer: its steps (layer_step.py), its solved groups persisted as they are solved and earlier attempts'
+        reused; then commit the layers computed before it but the newest COMMITS_BEHIND, whose files upload while the
+        next layer computes."""
         seconds = {}
+        if self.inputs.held_layer != layer:
+            self.restore(layer)
         if self.rank == 0:
-            self.state.append_event({"event": "layer", "layer": layer, "time": time.time(), "epoch": self.epoch})
-        with _timed(seconds, "load"):
-            module = self.source.load_layer(layer, self.device, self.memory if self.job.moe_calibrate == "routed"
-                                            else None)  # all-experts: their gate and up are one group, held whole
-            groups = layer_groups(module, self.layer_modules[layer], self.source.family.shared_inputs,
-                                  self.job.moe_calibrate == "all")
+            self.state.append_event(events.layer(layer, self.epoch))
+        source = self.digest(layer)  # read while the layer loads
+        module, groups = self.step.load(layer, self.memory if self.job.moe_calibrate == "routed" else None,
+                                        seconds)  # all-experts: their gate and up are one group, held whole
+        with timed(seconds, "load"):
             tensors, reused, todo = self.reuse_solved(layer, groups)
         writes, notes = [], {}  # this rank's writes of solved groups in this attempt, and its notes
+        for batch in self.batches(layer, module, todo):
+            solved, more = self.step.compress(layer, module, batch, lambda: (x for _, x in self.inputs.each(layer)),
+                                              self.inputs.kwargs(layer), seconds, self.persist(layer, writes))
+            tensors.update(solved)
+            notes.update(more)
+        self.propagate(layer, module, tensors, seconds)
+        self.pending.append(Computed(layer, [g.name for g in groups], reused, writes, notes, seconds, source.result()))
+        self.settle(keep=COMMITS_BEHIND)
+
+    def batches(self, layer: int, module, todo: list[Group]) -> list[list[Group]]:
+        """The groups to solve, in batches whose working set fits beside the layer (plan.memory_batches)."""
         stream = bool(streamed(module))  # its experts are read with their batch
         batches = memory_batches(todo, self.memory - sum(t.nbytes for t in module.state_dict().values()
                                                          if not t.is_meta), self.source.dtype.itemsize * stream)
         if len(batches) > 1 and self.rank == 0:
             log.info("layer %d: %d groups in %d batches%s, to keep within %.1f GB", layer, len(todo), len(batches),
                      ", each reading its experts" if stream else "", self.memory / 1e9)
-        for batch in batches:
-            solved, more = self.compress(layer, module, batch, writes, seconds)
-            tensors.update(solved)
-            notes.update(more)
-        with _timed(seconds, "propagate"):
-            self.propagate(layer, module, tensors, seconds)
-        self.pending.append(Computed(layer, [g.name for g in groups], reused, writes, notes, seconds))
-        self.settle(keep=COMMITS_BEHIND)
+        return batches
 
-    def compress(self, layer: int, module, batch: list[Group], writes: list, seconds: dict) -> tuple[dict, dict]:
-        """A batch of the layer's groups calibrated and solved, with their experts held where the layer streams
-        them (read here); qparams come from the original weights, before propagation replaces any."""
-        names = [n for g in batch for n, _ in g.modules]
-        with contextlib.ExitStack() as held:
-            with _timed(seconds, "load"):
-                held.enter_context(self.source.hold(module, layer, names, self.device))
-            packing = LayerPacking(self.schemes, f"{self.source.layer_prefix}{layer}.", dict(module.named_modules()),
-                                   names, {}, self.source.family.fused_scales)
-            calib = self.calibrate(layer, module, batch, seconds)
-            packing.ranges = calib.ranges  # reduced across ranks in place by the executor
-            with _timed(seconds, "gptq"):
-                return self.solve(layer, packing, batch, writes, calib)
+    def persist(self, layer: int, writes: list) -> Callable[[list[str], dict], None]:
+        """Sub-layer progress: this rank's owned groups go to storage as soon as they are solved (by the I/O thread,
+        ahead of boundaries); `writes` gets their futures, which the commit waits for."""
+        def write(groups: list[str], packed: dict):
+            writes.append(self.priority.submit(self.io, self.write_solved, layer, f"r{self.rank}.b{len(writes):04d}",
+                                               groups, {k: v.cpu() for k, v in packed.items()}))
+        return write
+
+    def digest(self, layer: int) -> Future:
+        """The digest of `layer`'s content as this rank reads it (Content.digest), once an epoch, on its own thread."""
+        if layer not in self.digests:
+            self.digests[layer] = self.hasher.submit(self.content.digest, layer)
+        return self.digests[layer]
+
+    def lineage(self, layer: int) -> str:
+        """What `layer`'s solved groups are computed from: the content of every layer up to it (its inputs come from
+        the layers before it). Every layer before it is committed or computed in this epoch when it is solved."""
+        return model_check.lineage([self.digest(index).result() for index in range(layer + 1)])
 
     def read_solved(self, layer: int) -> tuple[int, list[dict], dict]:
-        """Sub-layer progress of `layer`: the records of the groups an earlier attempt solved, and their compressed
-        tensors (rank 0 reads each file once)."""
-        records = self.world.broadcast_object(self.protocol.solved(layer, self.epoch) if self.rank == 0 else None)
+        """Sub-layer progress of `layer`: the records of the groups an earlier attempt solved from the same content,
+        and their compressed tensors (rank 0 reads each file once)."""
+        records = self.world.broadcast_object(
+            self.protocol.solved(layer, self.tag, self.lineage(layer)) if self.rank == 0 else None)
         tensors = {}
         for r in records:
             tensors.update(to_device(self.protocol.read_tensors(r["file"]), self.device))
@@ -264,63 +328,26 @@ class Runner:
                      len(done), len(groups), len(groups) - len(done))
         return tensors, records, [g for g in groups if g.name not in done]
 
-    def calibrate(self, layer: int, module, groups: list[Group], seconds: dict) -> Calibration:
-        """Hessians of `groups` over this rank's chunks, and static inputs' ranges (not yet reduced across ranks)."""
-        start, prefix = time.perf_counter(), f"{self.source.layer_prefix}{layer}."
-        calib = Calibration(module, [[n for n, _ in g.modules] for g in groups], self.device, self.job.seq_len,
-                            {g.name: self.schemes[prefix + g.name] for g in groups})
-        with experts_mode(module, self.job.moe_calibrate == "all"):
-            for _, x in self.inputs.each(layer):
-                for sample in x.split(1):
-                    calib.run(module, sample, self.inputs.kwargs(layer))
-                calib.end_chunk()
-        calib.remove()
-        _device_done()
-        seconds["hessian"] = seconds.get("hessian", 0.0) + calib.seconds
-        seconds["calibrate"] = seconds.get("calibrate", 0.0) + time.perf_counter() - start - calib.seconds
-        return calib
-
     def propagate(self, layer: int, module, tensors: dict, seconds: dict):
-        """The next layer's inputs for this rank's chunks, through the quantized layer: kept in memory, and
+        """The next layer's inputs for this rank's chunks, through the quantized layer: kept in host memory, and
         handed to the I/O thread when a boundary is due (waiting for the one in flight counts as "commit":
         waiting for storage)."""
-        self.inputs.unpack(module, layer, tensors)
         if layer == self.source.num_layers - 1:
             return
-        outputs = {c: self.inputs.to_host(self.inputs.forward(module, layer, x)) for c, x in self.inputs.each(layer)}
+        outputs = {}
+        for chunk, y in self.step.propagate(layer, module, tensors, self.inputs.each(layer), self.inputs.kwargs(layer),
+                                            seconds):
+            with timed(seconds, "propagate"):
+                outputs[chunk] = self.inputs.to_host(y)
         self.inputs.keep(layer + 1, outputs)
         if self.boundaries.due(layer + 1):
-            with _timed(seconds, "commit"):
-                self.boundaries.submit(layer + 1, self.epoch, outputs)
+            with timed(seconds, "commit"):
+                self.boundaries.submit(layer + 1, self.tag, outputs)
 
-    def solve(self, layer: int, packing: LayerPacking, groups: list[Group], writes: list,
-              calib: Calibration) -> tuple[dict, dict]:
-        """GPTQ `groups` across ranks by the plan (executor.py), packed by the layer's `packing`. Sub-layer
-        progress: this rank's owned groups go to storage as soon as they are solved (by the I/O thread, ahead of
-        boundaries; `writes` gets their futures, which the commit waits for). Returns the compressed tensors of
-        these groups and this rank's notes."""
-        tensors, written = {}, set()
-
-        def persist(solved: list):
-            packed = {k: v for g, weight in solved for k, v in packing.pack(g, weight).items()}
-            written.update(g.name for g, _ in solved)
-            tensors.update(packed)
-            writes.append(self.priority.submit(self.io, self.write_solved, layer, self.epoch,
-                                               f"r{self.rank}.b{len(writes):04d}", [g.name for g, _ in solved],
-                                               {k: v.cpu() for k, v in packed.items()}))
-
-        executor = Executor(self.world, make_plan(groups, self.world.size), groups, packing.weights, self.job.recipe,
-                            layer, persist, packing.args, packing.qparams)
-        results = executor.run(calib.hessian, self.job.num_samples, calib.ranges)
-        for g in groups:
-            if g.name not in written:
-                tensors.update(packing.pack(g, results[g.name]))
-        return tensors, {name: {"damping": d} for g, d in executor.damping.items() for name, _ in g.modules}
-
-    def write_solved(self, layer: int, epoch: int, name: str, groups: list[str], tensors: dict) -> dict:
+    def write_solved(self, layer: int, name: str, groups: list[str], tensors: dict) -> dict:
         """On the I/O thread: solved groups to storage, their upload timed (the link's rate, for `auto`)."""
         start = time.perf_counter()
-        record = self.protocol.write_solved(layer, epoch, name, groups, tensors)
+        record = self.protocol.write_solved(layer, self.tag, name, groups, tensors, self.lineage(layer))
         self.boundaries.uploaded(record["file"]["size"], time.perf_counter() - start)
         return record
 
@@ -336,30 +363,45 @@ class Runner:
 
     def commit(self, c: Computed) -> bool:
         """Once every rank's files of layer `c.layer` are durable, rank 0 commits it (its records cover its
-        groups), with the newest boundary that became durable since the last commit; then the layer counts as
-        done. Returns whether any rank was asked to stop (SIGTERM)."""
-        with _timed(c.seconds, "commit"):
+        groups), with the newest boundary that became durable since the last commit, and the layer's content as
+        every rank read it, from files unchanged since the epoch began (else no rank commits: model_check); then the
+        layer counts as done. Returns whether any rank was asked to stop (SIGTERM)."""
+        with timed(c.seconds, "commit"):
             solved = [f.result() for f in c.writes]
+            stats = self.content.stats()
             everyone = self.world.gather_objects({"notes": c.notes, "solved": solved, "stop": signals.requested(),
+                                                  "source": c.source, "stats": stats, "changed": stats != self.stats,
                                                   **self.boundaries.report(c.seconds, self.inputs.held_bytes())})
+            self._same_model(c.layer, everyone)
             boundary = self.boundaries.settle(everyone)
             if self.rank == 0:
                 self.protocol.commit(c.layer, self.epoch, {
                     "layer": c.layer, "epoch": self.epoch, "world_size": self.world.size, "boundary": boundary,
                     "modules": {n: v for m in everyone for n, v in sorted(m["notes"].items())},
+                    "source": model_check.record(c.source, [m["stats"] for m in everyone]),
                     "seconds": dict(c.seconds)}, c.groups, c.reused + [r for m in everyone for r in m["solved"]])
             self.world.barrier()
         self.committed[c.layer] = self.epoch
         if self.rank == 0:
-            self.state.append_event({"event": "commit", "layer": c.layer, "time": time.time(), "epoch": self.epoch,
-                                     "world_size": self.world.size, "seconds": c.seconds})
+            self.state.append_event(events.commit(c.layer, self.epoch, self.world.size, c.seconds))
         metrics.committed(c.seconds, self.committed, self.boundaries.durable)
         log.info("layer %d/%d committed (%.1f s: %s)", c.layer + 1, self.source.num_layers, sum(c.seconds.values()),
                  ", ".join(f"{k} {v:.2f}" for k, v in c.seconds.items()))
-        self.progress.update(len(self.committed))
+        self.progress(len(self.committed), self.source.num_layers)
         if c.layer == 0:
             self.inputs.embedder.release()
         if self.rank == 0 and boundary:
             self.protocol.prune(below=self.boundaries.prunable(), epoch=self.epoch)
         return any(m["stop"] for m in everyone)
 
+    def _same_model(self, layer: int, everyone: list[dict]):
+        """Every rank, from what all gathered at a commit: the same UsageError if some rank's model files changed
+        since the epoch began, or some rank read other content for the layer than rank 0 (another copy of the
+        model on its node)."""
+        if changed := [r for r, m in enumerate(everyone) if m["changed"]]:
+            raise UsageError(f"the model's files changed while the job ran (rank {changed[0]}: {self.source.path}): "
+                             f"layer {layer} not committed; run again once they are settled: the committed layers "
+                             "are checked against them")
+        if other := [r for r, m in enumerate(everyone) if m["source"] != everyone[0]["source"]]:
+            raise UsageError(f"rank {other[0]} reads another model than rank 0 ({self.source.path}: layer {layer}'s "
+                             "tensors differ): give every node the same model")

@@ -16,6 +16,8 @@ idea is llm-compressor's registered MoE calibration modules and torchtitan's per
 import functools
 import importlib
 import pkgutil
+import re
+from collections.abc import Callable, Hashable
 
 import torch
 import transformers
@@ -24,6 +26,8 @@ from elastic_oneshot.models import stored_names
 from elastic_oneshot.models.moe import Experts, Layout, default_gating, own_gating
 
 FAMILIES: dict[str, type["Family"]] = {}
+EXPERT = re.compile(r"((?:.*\.)?experts)\.(\d+)\.(\w+)$")  # an expert's Linear, as moe.make_quantizable names it
+TOP_K = ("num_experts_per_tok", "moe_top_k", "top_k", "num_selected_experts")  # config names of experts per token
 
 
 def register(*model_types: str):
@@ -96,6 +100,34 @@ class Family:
             out["rotary_emb"] = type(decoder.rotary_emb)(config=decoder.config)
         return out
 
+    def input_key(self, all_experts: bool) -> Callable[[str], Hashable]:
+        """What a quantized module reads, as a key (modules with one key share one Hessian): the siblings of
+        `shared_inputs` read one input; under all-experts calibration every expert's gate and up projections read
+        every token, one input for all of them."""
+        def key(name: str) -> Hashable:
+            expert = self.expert_of(name)
+            if all_experts and expert and expert[2] in ("gate_proj", "up_proj"):
+                return expert[0], "gate_up"
+            parent, _, leaf = name.rpartition(".")
+            return next(((parent, s) for s in self.shared_inputs if leaf in s), name)
+        return key
+
+    @staticmethod
+    def expert_of(name: str) -> tuple[str, int, str] | None:
+        """(experts container, expert, projection) for the Linear of an expert split from a fused container
+        (moe.Expert), by its name in the skeleton; None for any other module."""
+        found = EXPERT.match(name)
+        return (found.group(1), int(found.group(2)), found.group(3)) if found else None
+
+    def experts_per_token(self, config) -> int | None:
+        """How many experts route each token, as the config names it; None if it names none."""
+        text = config.get_text_config()
+        return next((getattr(text, k) for k in TOP_K if getattr(text, k, None)), None)
+
+    def context(self, config) -> int | None:
+        """The longest sequence the model was trained on (an image-text model's is its language model's)."""
+        return getattr(config.get_text_config(), "max_position_embeddings", None)
+
     def layer_attributes(self, layer: torch.nn.Module) -> dict:
         """What the decoder's forward may read off a layer besides calling it (for the stand-in that records the
         layers' inputs)."""
@@ -127,7 +159,7 @@ class Family:
         """Experts containers left fused (a layout `experts` does not give): no Linear-based quantization reaches
         them. Known by their class's name and parameters of three or more dimensions."""
         return [name for name, m in skeleton.named_modules()
-                if "expert" in type(m).__name__.lower() and any(p.dim() >= 3 for p in m.parameters(recurse=False))]
+                if getattr(m, "num_experts", None) and any(p.dim() >= 3 for p in m.parameters(recurse=False))]
 
     def default_ignores(self, skeleton: torch.nn.Module) -> list[str]:
         """Linear modules kept in high precision whatever the recipe targets: those outside the language model's

@@ -22,24 +22,18 @@ import bisect
 import dataclasses
 import enum
 import re
+from collections.abc import Callable, Hashable
 
 from elastic_oneshot.errors import UsageError
 from elastic_oneshot.quantization.cholesky import cholesky_panels, inverse_pieces
 
-EXPERT = re.compile(r"(.*\.experts)\.\d+\.(gate_proj|up_proj)$")
 
-
-def input_groups(names: list[str], shared_inputs: tuple[tuple[str, ...], ...], all_experts: bool = False
-                 ) -> list[list[str]]:
-    """Module names grouped by shared input (`shared_inputs`: the family's sibling names that read one input),
-    in first-appearance order. With all-experts calibration every expert's gate and up projections read the
-    same tokens: one group for all of them."""
+def input_groups(names: list[str], input_of: Callable[[str], Hashable]) -> list[list[str]]:
+    """Module names grouped by the input they read (`input_of`: the family's answer, Family.input_key), in
+    first-appearance order: a group shares one Hessian."""
     groups: dict = {}
     for name in names:
-        parent, _, leaf = name.rpartition(".")
-        expert = EXPERT.match(name) if all_experts else None
-        key = (expert.group(1), "gate_up") if expert else next(((parent, s) for s in shared_inputs if leaf in s), name)
-        groups.setdefault(key, []).append(name)
+        groups.setdefault(input_of(name), []).append(name)
     return list(groups.values())
 
 
@@ -88,12 +82,11 @@ class Group:
         return sum(r for _, r in self.modules)
 
 
-def layer_groups(layer, names: list[str], shared_inputs: tuple[tuple[str, ...], ...], all_experts: bool = False
-                 ) -> list[Group]:
+def layer_groups(layer, names: list[str], input_of: Callable[[str], Hashable]) -> list[Group]:
     """The input groups of a decoder layer (a module, possibly on the meta device) for `names` in it."""
     modules = dict(layer.named_modules())
     return [Group(tuple((n, modules[n].out_features) for n in g), modules[g[0]].in_features)
-            for g in input_groups(names, shared_inputs, all_experts)]
+            for g in input_groups(names, input_of)]
 
 
 HESSIAN_BYTES = 16  # per Hessian element of a group, with room: its fp64 total with the fp32 chunk sum in

@@ -4,16 +4,17 @@ import dataclasses
 import logging
 import os
 import socket
-import time
 
 import transformers
 
-from elastic_oneshot import metrics
+from elastic_oneshot import events, metrics
 from elastic_oneshot.distributed import signals
 from elastic_oneshot.distributed.world import World
+from elastic_oneshot.durability import layout
 from elastic_oneshot.durability.boundaries import parse_every
+from elastic_oneshot.durability.coordinator import open_records
 from elastic_oneshot.durability.destination import Destination, open_destination
-from elastic_oneshot.durability.records import Records, open_records
+from elastic_oneshot.durability.records import Records
 from elastic_oneshot.durability.state import StateStore, default_root
 from elastic_oneshot.errors import CorruptStateError, StaleEpochError, UsageError
 from elastic_oneshot.loop.data import calibration_samples
@@ -27,6 +28,7 @@ from elastic_oneshot.quantization.recipe_loader import load_recipe
 from elastic_oneshot.surface.evaluate import perplexity
 from elastic_oneshot.surface.export import Export
 from elastic_oneshot.surface.preflight import check_layer_fits, check_locations, check_seq_len
+from elastic_oneshot.surface.progress import LayerBar
 
 log = logging.getLogger("elastic_oneshot")
 
@@ -40,7 +42,8 @@ def oneshot(model: str | None = None, dataset: str = "builtin", scheme: str = "W
             chunk_size: int = 8, eval_samples: int = 0, collective_timeout: float = 60.0,
             moe_calibrate_all_experts: bool = True, coordinator: str | None = None,
             attention: str = "eager", allow_long_seq: bool = False, boundary_every: str | int = "auto",
-            mtbf_s: float | None = None, metrics_port: int | None = None, max_memory: str | int | None = None) -> str:
+            mtbf_s: float | None = None, metrics_port: int | None = None, max_memory: str | int | None = None,
+            model_changed: str = "refuse") -> str:
     """Compress `model` with GPTQ, resumably; return the output directory (a local one, or an object-store prefix).
     Arguments mirror llmcompressor's `oneshot` where they mean the same. `recipe` is what llmcompressor takes
     (a GPTQModifier, a list of modifiers, a YAML file or text; see recipe_loader) or a Recipe; without it, `scheme`
@@ -51,7 +54,9 @@ def oneshot(model: str | None = None, dataset: str = "builtin", scheme: str = "W
     `boundary_every` (auto, 0 or N layers) and `mtbf_s` set how often activations are written (boundaries.py).
     `metrics_port` (None: $ELASTIC_ONESHOT_METRICS_PORT; 0: none) serves Prometheus metrics, per rank (metrics.py).
     `max_memory` (bytes, or text such as 24GB; None: 80 % of what the device has free) bounds a layer's working
-    set: a layer of many experts is calibrated and solved in batches that fit (plan.memory_batches)."""
+    set: a layer of many experts is calibrated and solved in batches that fit (plan.memory_batches).
+    `model_changed`: "refuse" (in one line) or "redo" a resume whose committed layers were computed from other model
+    content than the files hold now (a model edited in place; model_check.py)."""
     max_memory = None if max_memory is None else parse_bytes(max_memory)
     metrics.serve(metrics_port)  # the port is taken first: one that is in use ends this rank before any work
     world = World(timeout_s=collective_timeout)
@@ -69,35 +74,47 @@ def oneshot(model: str | None = None, dataset: str = "builtin", scheme: str = "W
     destination = open_destination(output_dir)
     job, state, records, source, record, schemes = _open(job, state_dir, destination, coordinator,
                                                          allow_long_seq, collective_timeout)
-    world.agree("the job (model, dataset, recipe and sampling arguments)", record["fingerprint"])
-    world.agree("the coordinator", job.coordinator)
-    routed = job.moe_calibrate == "routed"
-    check_layer_fits(source.layer_bytes(streamed=routed), world.gather_objects(world.memory_for_a_layer()),
-                     None if routed else source.layer_bytes(streamed=True))
-    runner = Runner(job, state, records, source, world, schemes, parse_every(boundary_every), mtbf_s, max_memory)
+    _agree(world, job, record, source)
+    runner = Runner(job, state, records, source, world, schemes, parse_every(boundary_every), mtbf_s, max_memory,
+                    model_changed, LayerBar(show=world.rank == 0))
     claim = _claim(state, records, record, job, restart, destination) if world.rank == 0 else None
     if error := world.broadcast_object(claim):
         raise UsageError(error)
     records.attach(world.rank, world.size, source.num_layers)
     fault = _record_faults(state, world, runner)
-    if eval_samples and world.rank == 0:
-        before = perplexity(job.model, dataset, eval_samples, job.seq_len, text_column)
+    before = perplexity(job.model, dataset, eval_samples, job.seq_len, text_column) if eval_samples and \
+        world.rank == 0 else None
     with Export(state, destination, source, schemes, repair=True) as build:
-        try:  # the export's weights are the run's last step, its one read of the committed layers
-            runner.run(build.weights)
-        except StaleEpochError as e:
-            if world.rank == 0:
-                fault("stale", error=str(e))
-            raise
-        world.close()
-        records.detach()
-        if world.rank != 0:
+        if not _run(world, records, runner, build, fault):
             return output_dir
         build.finish()  # without a process group: compressed-tensors would run collectives on one
     log.info("wrote %s", output_dir)
     if eval_samples:
         _compare(before, output_dir, dataset, eval_samples, job.seq_len, text_column)
     return output_dir
+
+
+def _run(world: World, records: Records, runner: Runner, build: Export, fault) -> bool:
+    """Every layer, then the export's weights (the run's last step, its one read of the committed layers); then every
+    rank leaves the process group and the records. True on rank 0, which finishes the export."""
+    try:
+        runner.run(build.weights)
+    except StaleEpochError as e:
+        if world.rank == 0:
+            fault("stale", error=str(e))
+        raise
+    world.close()
+    records.detach()
+    return world.rank == 0
+
+
+def _agree(world: World, job: Job, record: dict, source: SourceModel):
+    """Every rank runs the same job, with the same coordinator, and can hold the largest layer."""
+    world.agree("the job (model, dataset, recipe and sampling arguments)", record["fingerprint"])
+    world.agree("the coordinator", job.coordinator)
+    routed = job.moe_calibrate == "routed"
+    check_layer_fits(source.layer_bytes(streamed=routed), world.gather_objects(world.memory_for_a_layer()),
+                     None if routed else source.layer_bytes(streamed=True))
 
 
 def _compare(before: float, output_dir: str, dataset: str, samples: int, seq_len: int, text_column: str):
@@ -129,13 +146,13 @@ def _open(job: Job, state_dir: str, destination: Destination, coordinator: str |
     length, the output, the recipe against the model; then the state (an object store's retries within half the
     collective timeout, so that peers wait them out), its records, the job's record and each quantized module's
     scheme (computed once a run: the runner and the export take them)."""
-    check_locations(job.model, state_dir, destination)
     state = StateStore(state_dir, retry_s=collective_timeout / 2)
+    check_locations(job.model, state, destination)
     records = open_records(state, coordinator)
     job = dataclasses.replace(job, coordinator=records.url)  # given, or job.json's
     source = SourceModel(job.model, job.trust_remote_code, job.attention)
     source.check_weights()
-    check_seq_len(job.seq_len, source.config, allow_long_seq)
+    check_seq_len(job.seq_len, source.config, source.family, allow_long_seq)
     record = job_record(job, source.digest(), source.num_layers)
     metrics.job(record["fingerprint"])
     destination.check(record["fingerprint"], state.root)
@@ -147,8 +164,7 @@ def _record_faults(state: StateStore, world: World, runner: Runner):
     silent rank seen by any rank; returns the recorder for the others. Never raises: it runs on the way out."""
     def fault(kind: str, **fields):
         try:
-            state.append_event({"event": kind, "time": time.time(), "epoch": runner.epoch, "rank": world.rank,
-                                "host": socket.gethostname(), **fields})
+            state.append_event(events.fault(kind, runner.epoch, world.rank, socket.gethostname(), **fields))
         except Exception as e:  # a full or unreachable disk must not stop the way out
             log.warning("could not record the %s event: %s", kind, e)
 
@@ -176,7 +192,7 @@ def _claim_state(state: StateStore, records: Records, record: dict, job: Job, re
         log.info("state %s belongs to this job: resuming", state.root)
         records.adopt(record, state.root)
         if state.job()["job"].get("coordinator") != record["job"]["coordinator"]:
-            state.write_json("job.json", {**state.job(), "job": record["job"]})  # where readers find it
+            state.write_json(layout.JOB, {**state.job(), "job": record["job"]})  # where readers find it
         state.remove_debris()
         _restore_tokens(state, job)
         return
@@ -213,8 +229,8 @@ def plan(model: str, world_size: int, recipe: Recipe | None = None, layers: int 
     for index in range(source.num_layers if layers is None else min(layers, source.num_layers)):
         prefix = f"{source.layer_prefix}{index}."
         local = [n[len(prefix):] for n in names if n.startswith(prefix)]
-        described = describe(make_plan(layer_groups(source.layers[index], local, source.family.shared_inputs,
-                                                    all_experts), world_size))
+        groups = layer_groups(source.layers[index], local, source.family.input_key(all_experts))
+        described = describe(make_plan(groups, world_size))
         if runs and runs[-1][2] == described:
             runs[-1] = (runs[-1][0], index, described)
         else:

@@ -69,6 +69,10 @@ def _run_arguments(run):
     run.add_argument("--state", help="state directory, or an s3:// gs:// az:// URL (default: OUTPUT.state)")
     run.add_argument("--output", help="output directory (default: MODEL-SCHEME)")
     run.add_argument("--restart", action="store_true", help="discard a state directory of another job")
+    run.add_argument("--model-changed", choices=["refuse", "redo"], default="refuse",
+                     help="when the model's tensors differ from those the committed layers were computed from (a "
+                          "model edited in place): refuse in one line (default), or redo from the first changed "
+                          "layer")
     run.add_argument("--trust-remote-code", action="store_true")
     run.add_argument("--eval-samples", type=int, default=0,
                      help="print perplexity on this many held-out samples before and after")
@@ -182,11 +186,11 @@ def main(argv=None) -> int:
     except StaleEpochError as e:
         return _fail(f"fenced off: {e}", 3)
     except RuntimeError as e:
-        from elastic_oneshot.distributed.world import rank_lost
+        from elastic_oneshot.distributed.world import lost_line
 
-        if (reason := rank_lost(e)) is None:
+        if (line := lost_line(e)) is None:
             raise
-        _fail(f"another rank was lost ({reason}): leaving so that torchrun restarts the workers", 1)
+        _fail(line, 1)
         exit_now(1)  # not through interpreter teardown: a broken process group can abort there (SIGABRT)
     return 0
 
@@ -244,7 +248,7 @@ def _command(args):
                 text_column=args.text_column, group_size=args.group_size, symmetric=not args.asym,
                 actorder=None if args.actorder == "none" else args.actorder,
                 dampening_frac=args.dampening_frac, block_size=args.block_size,
-                ignore=tuple(args.ignore), restart=args.restart,
+                ignore=tuple(args.ignore), restart=args.restart, model_changed=args.model_changed,
                 trust_remote_code_model=args.trust_remote_code, chunk_size=args.chunk_size,
                 moe_calibrate_all_experts=args.moe_calibrate == "all", attention=args.attention,
                 eval_samples=args.eval_samples, collective_timeout=args.collective_timeout,
@@ -252,8 +256,8 @@ def _command(args):
                 boundary_every=args.boundary_every, mtbf_s=args.mtbf, metrics_port=args.metrics_port,
                 max_memory=args.max_memory)
     elif args.command == "export":
+        from elastic_oneshot.durability.coordinator import open_records
         from elastic_oneshot.durability.destination import open_destination
-        from elastic_oneshot.durability.records import open_records
         from elastic_oneshot.durability.state import StateStore
         from elastic_oneshot.surface.export import export
 

@@ -30,7 +30,9 @@ from elastic_oneshot.durability.protocol import CommitProtocol
 from elastic_oneshot.durability.records import Records
 from elastic_oneshot.durability.state import StateStore
 from elastic_oneshot.errors import CorruptStateError, StorageError, UsageError
+from elastic_oneshot.loop import model_check
 from elastic_oneshot.loop.job import Job
+from elastic_oneshot.models.content import Content
 from elastic_oneshot.models.loadable import check_loadable
 from elastic_oneshot.models.source import SourceModel
 from elastic_oneshot.surface.preflight import check_separate
@@ -81,6 +83,8 @@ class Export:
             if layer not in protocol.view:
                 raise UsageError(f"layer {layer} of {self.num_layers} is not committed: "
                                  "finish the job with `elastic-oneshot run` first")
+        content = Content(self.source)
+        stats = _same_content(content, protocol)
         if self.partial is None:
             self.partial = self._building.enter_context(self.destination.building(self.fingerprint))
         shutil.rmtree(self.partial, ignore_errors=True)  # an earlier attempt's, whose damaged layers are redone
@@ -101,6 +105,9 @@ class Export:
                 write_marker(self.partial, self.fingerprint, [])  # an interrupted export is known as ours
             _write_weights(self.partial, _tensors(self.source, _starts(self.source, self.schemes, self.num_layers),
                                                   layer_tensors))
+            if content.stats() != stats:
+                raise UsageError(f"the model's files changed during the export ({self.source.path}): export again "
+                                 "once they are settled")
         except CorruptStateError:  # every damaged layer is found in this one read, to be redone at once
             shutil.rmtree(self.partial, ignore_errors=True)
             for layer in sorted(set(range(self.num_layers)) - read):
@@ -130,7 +137,7 @@ class Export:
         record = self.state.job()
         self.job, self.fingerprint, self.num_layers = Job.from_dict(record["job"]), record["fingerprint"], \
             record["num_layers"]
-        check_separate(model=self.job.model, state=self.state.root, output=self.destination.local)
+        check_separate(model=self.job.model, state=self.state.local, output=self.destination.local)
         self.destination.preflight()
         self.destination.check(self.fingerprint, self.state.root)
         job = self.job
@@ -139,6 +146,36 @@ class Export:
             raise UsageError(f"model {job.model} has changed since the state was created")
         if self.schemes is None:
             self.schemes = job.recipe.module_schemes(self.source.skeleton, self.source.family)
+
+
+def _same_content(content: Content, protocol: CommitProtocol) -> dict[str, str]:
+    """The model's shard stats, once its files are checked to hold the content the committed layers were computed
+    from (model_check); UsageError naming the first layer that differs."""
+    stats, manifests = content.stats(), {}
+    for layer in protocol.view:
+        with contextlib.suppress(CorruptStateError):  # an unreadable commit is found, and redone, by its read
+            if (manifest := protocol.manifest(layer)) is not None:
+                manifests[layer] = manifest
+    change = model_check.changed(content, model_check.vouchers(manifests), stats)
+    if change is not None:
+        raise UsageError(f"model {content.source.path} has changed since layer {change[0]} was committed (its "
+                         f"tensors in {change[1]} differ): restore the model, or redo from that layer with "
+                         "`elastic-oneshot run ... --model-changed redo`")
+    return stats
+
+
+def _user_mode(path: str):
+    """`path` readable as the user's umask allows, as any file they write: safetensors creates its files 0600."""
+    os.chmod(path, 0o666 & ~_umask())
+
+
+def _umask() -> int:
+    """The process's umask, read without setting it (os.umask sets it, for every thread, while it asks)."""
+    with contextlib.suppress(OSError, StopIteration, ValueError), open("/proc/self/status") as f:
+        return int(next(line for line in f if line.startswith("Umask:")).split()[1], 8)
+    umask = os.umask(0o077)
+    os.umask(umask)
+    return umask
 
 
 @contextlib.contextmanager
@@ -230,6 +267,7 @@ def _write_weights(directory: str, tensors: Iterable[tuple[str, torch.Tensor]]):
         written.append(os.path.join(directory, f"model-{len(written) + 1:05d}.safetensors.partial"))
         with _writing(directory):
             save_file(shard, written[-1], metadata={"format": "pt"})
+            _user_mode(written[-1])
         weight_map.update(dict.fromkeys(shard, len(written)))
         total += sum(_nbytes(t) for t in shard.values())
         del shard  # before the next one is gathered

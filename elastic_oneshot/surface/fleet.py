@@ -12,12 +12,8 @@ re-timed for the accelerator (`solve_cost`). The layer's commit is written behin
 what exceeds it; boundaries are written as `--boundary-every auto` writes them (boundaries.auto_interval) with the
 fleet's MTBF. Not modeled: attention's score flops, communication between ranks, sub-layer progress of MoE layers.
 
-A preemption (no notice) loses the layer in flight, and the one before it while its commit is still being written.
-The surviving nodes notice it, re-rendezvous and resume at one node fewer if MIN allows (else they wait for the
-replacement), from the newest durable boundary, replaying the layers since (each chunk as its download
-arrives); a replacement arrives `--replacement-minutes` after each preemption and joins at the end of the layer
-in flight (a join costs a restart and the replay, no lost work). Preemptions are exponential per node; each row
-is a seeded Monte Carlo.
+What preemptions do to a job is preemption.py's model (a replacement arrives `--replacement-minutes` after each
+preemption); each row here is a seeded Monte Carlo of it. The report is drawn by fleet_render.py.
 
 `--calibrate` (`measure`) replaces the datasheet with this machine, so that predictions can be checked against real
 runs here (bench/fleet_check.py): one layer of the real model is run through the run's own code, and every node and
@@ -25,20 +21,20 @@ rank of the table is taken to run on this machine, as a local torchrun or the ch
 thread each (OMP_NUM_THREADS=1, what torchrun gives several ranks) share its cores, nodes share its disk.
 """
 
-import bisect
 import collections
 import dataclasses
 import json
 import math
 import os
 import random
-import re
 import subprocess
 import sys
 import tempfile
 import time
 
 from elastic_oneshot.errors import UsageError
+from elastic_oneshot.surface.fleet_render import draw, duration, figure, render
+from elastic_oneshot.surface.preemption import Drawn, Timeline, prefix, trial, uninterrupted
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,17 +63,8 @@ COLUMN_S = 1.2e-4  # GPTQ's column loop on a GPU, per column: about a dozen eage
 EXPERT_CALL_S = 1e-4  # one expert called in the loop over experts, per chunk and pass: bound by launches
 CHUNK_SIZE = 8  # `run --chunk-size`'s default: ranks take whole chunks of samples
 SCALE_BYTES = 2  # per column group of a compressed weight (bf16 scales; fp8-scaled formats take less)
-FIRST_DUE = 3  # layers after an epoch's first before a boundary can be due: runner.COMMITS_BEHIND (1) + 2
-# Restarts: torchrun as launch/env.sh configures it (RDZV_CONF; tests/test_fleet.py keeps these in step):
-NOTICE_S = 1 * 3  # keep_alive_interval x keep_alive_max_attempt: survivors notice a lost node
-RENDEZVOUS_S = 2  # last_call_timeout: the rendezvous waits this long for more nodes once MIN are in
 STARTUP_S = 30.0  # interpreter, imports, skeleton, resume point: "tens of seconds at most" (docs/operations.md)
-# The Monte Carlo's bounds, and the recommendation:
-CAP_FACTOR = 100  # a trial past 100 x (its uninterrupted wall + one replacement) never finishes
-CAP_EVENTS = 20000  # ... and so does one past this many preemptions and joins
 COST_SLACK = 0.10  # recommend the fastest node count whose expected cost is within 10 % of the cheapest
-TOP_K = ("num_experts_per_tok", "moe_top_k", "top_k", "num_selected_experts")  # config names of experts per token
-EXPERT = re.compile(r"((?:.*\.)?experts)\.(\d+)\.(\w+)$")  # moe.Expert's Linear modules in the skeleton
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,7 +192,7 @@ def model_work(model: str, recipe, all_experts: bool = True) -> ModelWork:
     source = SourceModel(model)
     schemes = recipe.module_schemes(source.skeleton, source.family)
     config = source.config.get_text_config()
-    top_k = next((getattr(config, k) for k in TOP_K if getattr(config, k, None)), None)
+    top_k = source.family.experts_per_token(source.config)
     seen, layers = {}, []
     for index, layer in enumerate(source.layers):
         prefix = f"{source.layer_prefix}{index}."
@@ -223,18 +210,18 @@ def _layer_work(layer, linear, bits, source, top_k, all_experts) -> LayerWork:
     """A layer's LayerWork from its Linear modules (name, in, out) and quantized ones (name, bits, group width)."""
     from elastic_oneshot.quantization.plan import layer_groups
 
-    experts = collections.Counter(m.group(1) for n, *_ in linear if (m := EXPERT.match(n)) and m.group(3) ==
-                                  "down_proj")
+    expert_of = source.family.expert_of
+    experts = collections.Counter(e[0] for n, *_ in linear if (e := expert_of(n)) and e[2] == "down_proj")
 
     def routed(name):  # the share of tokens a module sees in a routed forward
-        m = EXPERT.match(name)
-        return min(1.0, (top_k or experts[m.group(1)]) / experts[m.group(1)]) if m else 1.0
+        e = expert_of(name)
+        return min(1.0, (top_k or experts[e[0]]) / experts[e[0]]) if e else 1.0
 
     def calibrated(name):  # ... and in calibration: all-experts runs gate and up on every token
-        m = EXPERT.match(name)
-        return 1.0 if all_experts and m and m.group(3) != "down_proj" else routed(name)
+        e = expert_of(name)
+        return 1.0 if all_experts and e and e[2] != "down_proj" else routed(name)
 
-    groups = tuple(layer_groups(layer, [n for n, *_ in bits], source.family.shared_inputs, all_experts))
+    groups = tuple(layer_groups(layer, [n for n, *_ in bits], source.family.input_key(all_experts)))
     shapes = {n: (i, o) for n, i, o in linear}
     return LayerWork(
         calibrate_flops=sum(2 * i * o * calibrated(n) for n, i, o in linear),
@@ -314,20 +301,6 @@ def _measured_seconds(work: LayerWork, fleet: Fleet, ranks: int, tokens: int) ->
             "commit": work.compressed_bytes / fleet.storage}
 
 
-@dataclasses.dataclass(frozen=True)
-class Timeline:
-    """The layers at one node count, as the simulation walks them."""
-
-    cum: list[float]  # start of each layer from the first (and the end of the last), uninterrupted
-    commit: list[float]  # each layer's commit, written while the next one computes
-    replay_cum: list[float]  # prefix sums of load + propagate: a replay through layers a..b
-    interval: list[int]  # boundaries.auto_interval at each layer
-    write_s: float  # one boundary, written (or read back) by every node in parallel
-    chunks: int  # the busiest rank's: a replay runs each through the replayed layers as it arrives
-    tail: float  # after the last layer: its commit, then the export (everything read back, written once)
-    startup: float  # a start of the workers: interpreter, imports, skeleton, resume point
-
-
 def timeline(model: ModelWork, fleet: Fleet, nodes: int, resume: bool = True) -> Timeline:
     """Layer times at `nodes` nodes; without `resume` (a tool that keeps nothing), no commits and no boundaries."""
     from elastic_oneshot.durability.boundaries import auto_interval
@@ -340,137 +313,8 @@ def timeline(model: ModelWork, fleet: Fleet, nodes: int, resume: bool = True) ->
     mtbf = min(fleet.mtbp_s / nodes, 1e18)  # never preempted: Young and Daly's interval is the bound
     interval = [auto_interval(write_s, c, p["propagate"], mtbf) for c, p in zip(compute, phases)]
     total = sum(w.compressed_bytes for w in model.layers)
-    return Timeline(_prefix(durations), commit, _prefix([p["load"] + p["propagate"] for p in phases]), interval,
+    return Timeline(prefix(durations), commit, prefix([p["load"] + p["propagate"] for p in phases]), interval,
                     write_s, _busiest_chunks(fleet, nodes), commit[-1] + 2 * total / fleet.storage, fleet.startup_s)
-
-
-def _restore(tl: Timeline, boundary: int, done: int) -> float:
-    """Inputs of layer `done` from `boundary` (0: the embeddings): its download and the replay, a pipeline of two
-    stages over the rank's chunks (each chunk is replayed as it arrives)."""
-    read, replay = tl.write_s if boundary else 0.0, tl.replay_cum[done] - tl.replay_cum[boundary]
-    return max(read, replay) + min(read, replay) / tl.chunks
-
-
-def _prefix(values: list[float]) -> list[float]:
-    out = [0.0]
-    for v in values:
-        out.append(out[-1] + v)
-    return out
-
-
-# -- the Monte Carlo ----------------------------------------------------------------------------------------------
-def uninterrupted(tl: Timeline) -> float:
-    return tl.startup + tl.cum[-1] + tl.tail
-
-
-def _durable(tl: Timeline, first: int, began: float, upto: int, when: float, boundary: int) -> int:
-    """The newest boundary durable at `when` of an epoch that began layer `first` at `began`, after `boundary`
-    (0: the embeddings): none is written before the epoch's first commit reports the layers' times (the inputs of
-    its fourth layer are the first that can be), then one wherever `interval` layers have passed since the newest
-    written or durable one, each durable a write's time after its layer starts."""
-    written = boundary
-    for layer in range(first + FIRST_DUE, min(upto, len(tl.interval) - 1) + 1):
-        if layer - written >= tl.interval[layer]:
-            written = layer
-        if written == layer and began + tl.cum[layer] - tl.cum[first] + tl.write_s <= when:
-            boundary = layer
-    return boundary
-
-
-def trial(tls: dict[int, Timeline], nodes: int, low: int, fleet: Fleet, preemptions: "Drawn | Recorded",
-          resume: bool = True) -> tuple[float, float] | None:
-    """One history of the job on `nodes` nodes (`--nnodes low:nodes`) under `preemptions`: its wall seconds and the
-    node-seconds paid, or None when it runs past the caps. Without `resume` every start is from layer 0 (low =
-    nodes)."""
-    last = len(tls[nodes].cum) - 1
-    cap = CAP_FACTOR * (uninterrupted(tls[nodes]) + fleet.replacement_minutes * 60)
-    t, alive, done, boundary, events = 0.0, nodes, 0, 0, 0
-    setup, preempted, pending = tls[nodes].startup, [], collections.deque()
-    while t < cap and events < CAP_EVENTS:
-        events += 1
-        if alive < low:  # wait for replacements; the nodes left may be preempted meanwhile
-            lost = preemptions.after(t, alive)
-            if lost < pending[0]:
-                t, alive = lost, alive - 1
-                preempted.append(lost)
-                pending.append(lost + fleet.replacement_minutes * 60)
-            else:
-                t, alive = pending.popleft(), alive + 1
-                t += RENDEZVOUS_S if alive >= low else 0.0
-            continue
-        tl = tls[alive]
-        restore = 0.0 if done == last or not resume else _restore(tl, boundary, done)
-        began = t + setup + restore  # layer `done` starts
-        end = began + tl.cum[last] - tl.cum[done] + tl.tail
-        lost = preemptions.after(t, alive)
-        join = max(t, _join_at(tl, began, done, pending[0])) if pending and alive < nodes else math.inf
-        if min(lost, join) >= end:
-            return end, _paid(end, nodes, preempted, fleet)
-        if join < lost:
-            done, boundary = _resumed(tl, done, began, join, boundary, resume, lost=False)
-            while pending and pending[0] <= join and alive < nodes:
-                pending.popleft()
-                alive += 1
-            t, setup = join + RENDEZVOUS_S, tls[nodes].startup
-            continue
-        done, boundary = _resumed(tl, done, began, lost, boundary, resume, lost=True)
-        preempted.append(lost)
-        pending.append(lost + fleet.replacement_minutes * 60)
-        t, alive, setup = lost + NOTICE_S + RENDEZVOUS_S, alive - 1, tls[nodes].startup
-    return None
-
-
-@dataclasses.dataclass
-class Drawn:
-    """Preemptions at the fleet's rate, drawn from `rng`: each live node's next one is exponential (memoryless)."""
-
-    fleet: Fleet
-    rng: random.Random
-
-    def after(self, t: float, alive: int) -> float:
-        """When the next preemption after `t` comes, with `alive` nodes running."""
-        rate = alive / self.fleet.mtbp_s
-        return t + self.rng.expovariate(rate) if rate > 0 else math.inf
-
-
-@dataclasses.dataclass
-class Recorded:
-    """The preemptions of a real history (seconds from its start), to predict that very history; none while no
-    node runs (there, a real kill found a node alive: the model has already parted from the history)."""
-
-    times: list[float]
-
-    def after(self, t: float, alive: int) -> float:
-        return min((k for k in self.times if k > t), default=math.inf) if alive else math.inf
-
-
-def _join_at(tl: Timeline, began: float, done: int, arrival: float) -> float:
-    """When a node arriving at `arrival` joins: at the end of the layer then in flight (at once during start-up);
-    never during the last layer (the job ends first)."""
-    if arrival <= began:
-        return arrival
-    layer = bisect.bisect_right(tl.cum, arrival - began + tl.cum[done]) - 1
-    return began + tl.cum[layer + 1] - tl.cum[done] if layer + 1 < len(tl.cum) - 1 else math.inf
-
-
-def _resumed(tl: Timeline, done: int, began: float, when: float, boundary: int, resume: bool, lost: bool
-             ) -> tuple[int, int]:
-    """(first layer to compute, newest durable boundary) after an epoch that began layer `done` at `began` ends at
-    `when`: by a loss (the layer in flight lost, and the one before it while its commit is written) or a join."""
-    if not resume:
-        return 0, 0
-    if when <= began:
-        return done, boundary
-    layer = bisect.bisect_right(tl.cum, when - began + tl.cum[done]) - 1
-    elapsed = when - began - (tl.cum[layer] - tl.cum[done])
-    committed = layer - 1 if lost and layer > done and elapsed < tl.commit[layer - 1] else layer
-    return committed, _durable(tl, done, began, committed, when, boundary)
-
-
-def _paid(end: float, nodes: int, preempted: list[float], fleet: Fleet) -> float:
-    """Node-seconds paid: every node all along, less each preempted one until its replacement arrives."""
-    gap = fleet.replacement_minutes * 60
-    return nodes * end - sum(min(end, p + gap) - p for p in preempted)
 
 
 # -- --calibrate: this machine's figures --------------------------------------------------------------------------
@@ -512,52 +356,31 @@ def measure(model: str, recipe, fleet: Fleet, work: ModelWork) -> Measured:
 
 
 def _one_layer(source, recipe, index: int, samples: int, fleet: Fleet) -> tuple[dict[str, float], float]:
-    """Layer `index`'s phases in seconds as the runner times them, and the seconds of the run's own preamble that
-    came along (drawing the samples, the trial of layer 0)."""
+    """Layer `index`'s phases in seconds, by the run's own step (loop/layer_step.py) as the runner times them, and the
+    seconds of the run's own preamble that came along (drawing the samples, the trial of layer 0)."""
     import torch
     import transformers
 
     from elastic_oneshot.distributed.world import World
-    from elastic_oneshot.loop.calibration import Calibration
     from elastic_oneshot.loop.data import calibration_samples
-    from elastic_oneshot.models.moe import experts_mode
+    from elastic_oneshot.loop.layer_step import LayerStep
     from elastic_oneshot.models.source import Embedder
-    from elastic_oneshot.quantization.executor import Executor
-    from elastic_oneshot.quantization.packing import LayerPacking
-    from elastic_oneshot.quantization.plan import layer_groups, make_plan
 
-    began, all_experts = time.perf_counter(), fleet.moe_calibrate == "all"
+    began = time.perf_counter()
     ids = calibration_samples("builtin", transformers.AutoTokenizer.from_pretrained(source.path), samples,
                               fleet.seq_len, 0)
-    schemes = recipe.module_schemes(source.skeleton, source.family)
-    prefix, embedder = f"{source.layer_prefix}{index}.", Embedder(source)
+    step = LayerStep(source, recipe.module_schemes(source.skeleton, source.family), recipe, World(), "cpu",
+                     fleet.seq_len, samples, fleet.moe_calibrate == "all")
+    embedder, seconds = Embedder(source), {}
     with torch.inference_mode():
         trial = embedder(torch.zeros(1, fleet.seq_len, dtype=torch.int64))  # the run's trial of layer 0
-        source.load_layer(0)(trial, **embedder.layer_kwargs(0, 1, fleet.seq_len))
+        step.forward(source.load_layer(0), trial, embedder.layer_kwargs(0, 1, fleet.seq_len))
         x, kwargs = embedder(ids), embedder.layer_kwargs(index, 1, fleet.seq_len)
-        preamble, t = time.perf_counter() - began, time.perf_counter()
-        module = source.load_layer(index)
-        names = source.by_layer(list(schemes))[index]
-        groups = layer_groups(module, names, source.family.shared_inputs, all_experts)
-        seconds = {"load": time.perf_counter() - t}
-        t = time.perf_counter()
-        calib = Calibration(module, [[n for n, _ in g.modules] for g in groups], "cpu", fleet.seq_len,
-                            {g.name: schemes[prefix + g.name] for g in groups})
-        with experts_mode(module, all_experts):
-            for sample in x.split(1):
-                calib.run(module, sample, kwargs)
-            calib.end_chunk()
-        calib.remove()
-        seconds |= {"hessian": calib.seconds, "calibrate": time.perf_counter() - t - calib.seconds}
-        t = time.perf_counter()
-        packing = LayerPacking(schemes, prefix, dict(module.named_modules()), names, calib.ranges,
-                               source.family.fused_scales)
-        Executor(World(), make_plan(groups, 1), groups, packing.weights, recipe, index,
-                 lambda solved: [packing.pack(g, w) for g, w in solved], packing.args,
-                 packing.qparams).run(calib.hessian, samples, calib.ranges)
-        seconds["gptq"], t = time.perf_counter() - t, time.perf_counter()
-        torch.cat([module(sample, **kwargs)[0] for sample in x.split(1)])
-        seconds["propagate"] = time.perf_counter() - t
+        preamble = time.perf_counter() - began
+        module, groups = step.load(index, None, seconds)
+        tensors, _ = step.compress(index, module, groups, lambda: [x], kwargs, seconds)
+        for _ in step.propagate(index, module, tensors, [(0, x)], kwargs, seconds):
+            pass
     return seconds, preamble
 
 
@@ -591,7 +414,7 @@ def row(tls: dict[int, Timeline], nodes: int, low: int, fleet: Fleet, resume: bo
     rng = random.Random(f"{fleet.seed}:{nodes}:{low}:{resume}")
     walls, paid = [], 0.0
     for _ in range(fleet.trials):
-        result = trial(tls, nodes, low, fleet, Drawn(fleet, rng), resume)
+        result = trial(tls, nodes, low, fleet.replacement_minutes * 60, Drawn(fleet.mtbp_s, rng), resume)
         if result is None:
             return {"finishes": False, "uninterrupted_s": uninterrupted(tls[nodes])}
         walls.append(result[0])
@@ -642,81 +465,9 @@ def recommend(rows: list[dict], fleet: Fleet) -> dict:
     mtbf = fleet.mtbp_s / pick["nodes"]
     flags = f"--nnodes {low}:{pick['nodes']}" + (f" (run --mtbf {mtbf:.0f})" if mtbf < math.inf else "")
     return {"nnodes": f"{low}:{pick['nodes']}", "mtbf_s": None if mtbf == math.inf else round(mtbf),
-            "why": f"{flags}: expected {_duration(pick['expected_s'])} for ${pick['cost']:.2f}, the fastest whose "
+            "why": f"{flags}: expected {duration(pick['expected_s'])} for ${pick['cost']:.2f}, the fastest whose "
                    f"expected cost is within {COST_SLACK:.0%} of the cheapest (${cheapest['cost']:.2f} at "
                    f"{cheapest['nodes']} node{'s' if cheapest['nodes'] > 1 else ''})"}
-
-
-def _duration(seconds: float) -> str:
-    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min" if seconds < 7200 else \
-        f"{seconds / 3600:.1f} h"
-
-
-def render(r: dict) -> str:
-    """The report as a table, with what it assumed above it and the recommendation below."""
-    f, a, p, m = r["fleet"], r["accelerator"], r["per_layer_s_at_min"], r["fleet"]["measured"]
-    mtbp = "never preempted" if f["mtbp_hours"] is None else f"each preempted every {f['mtbp_hours']:g} h on average"
-    where = (f"{f['accelerator']} ({a['bf16_tflops']:g} bf16 TFLOP/s, {a['bandwidth_gbps']:g} GB/s, "
-             f"{a['memory_gb']:g} GB) x {f['gpus_per_node']} a node; storage {f['storage_gbps']:g} GB/s a node" if not m
-             else f"calibrated on this machine: layer {m['layer']} on {m['samples']} samples, ranks of one thread "
-             f"sharing {m['cores']} cores ({f['gpus_per_node']} a node), disk {m['write_bps'] / 1e9:.2f} GB/s write "
-             f"and {m['read_bps'] / 1e9:.2f} read, start-up {m['startup_s']:.1f} s")
-    lines = [f"{r['model']}: {r['layers']} layers, {r['scheme']}, {f['samples']} x {f['seq_len']} tokens; {where}",
-             f"spot nodes {mtbp}, replaced in {f['replacement_minutes']:g} min; "
-             f"${f['spot_price']:.2f} spot, ${f['on_demand_price']:.2f} on demand per GPU-hour; "
-             f"{f['trials']} trials, seed {f['seed']}",
-             f"a layer at {f['nodes'][0]} node{'s' if f['nodes'][0] > 1 else ''} (mean{', calibrated' if m else ''}): "
-             + ", ".join(f"{k} {v:.2f}" for k, v in p.items() if k != "commit")
-             + f" s; its commit {p['commit']:.2f} s behind the next; boundary {r['boundary_gb']:.1f} GB every "
-             f"{r['boundary_every_at_min']} layers; per GPU about {r['gpu_memory_gb']:.1f} GB",
-             "", f"{'nodes':>6} {'GPUs':>5} {'no preemption':>14} {'expected':>9} {'p10':>9} {'p90':>9} "
-             f"{'GPU-h':>8} {'spot $':>9} | {'from scratch':>12} {'$':>9}"]
-    for row_ in r["rows"]:
-        s = row_["from_scratch"]
-        scratch = (f"{_duration(s['expected_s']):>12} {s['cost']:>9.2f}" if s["finishes"]
-                   else f"{'never finishes':>22}")
-        mine = (f"{_duration(row_['expected_s']):>9} {_duration(row_['p10_s']):>9} {_duration(row_['p90_s']):>9} "
-                f"{row_['gpu_hours']:>8.1f} {row_['cost']:>9.2f}" if row_["finishes"] else f"{'never finishes':>47}")
-        lines.append(f"{f['nodes'][0]}:{row_['nodes']:<4} {row_['gpus']:>5} {_duration(row_['uninterrupted_s']):>14} "
-                     f"{mine} | {scratch}")
-    od = r["on_demand"]
-    lines += ["", f"on demand, 1 node ({od['gpus']} GPUs), no preemptions: {_duration(od['wall_s'])}, "
-              f"${od['cost']:.2f}",
-              ("recommend " if r["recommendation"]["nnodes"] else "") + r["recommendation"]["why"]]
-    return "\n".join(lines)
-
-
-def draw(r: dict, path: str):
-    """Expected wall (p10 to p90) and spot cost by node count, beside from-scratch restarts and on demand."""
-    Figure = _figure(path)
-    done = [x for x in r["rows"] if x["finishes"]]
-    scratch = [x for x in r["rows"] if x["from_scratch"]["finishes"]]
-    fig = Figure(figsize=(9, 4), dpi=100)
-    wall, cost = fig.subplots(1, 2)
-    wall.errorbar([x["nodes"] for x in done], [x["expected_s"] / 60 for x in done], fmt="o-", capsize=3,
-                  yerr=[[(x["expected_s"] - x["p10_s"]) / 60 for x in done],
-                        [(x["p90_s"] - x["expected_s"]) / 60 for x in done]], label="resumable (p10 to p90)")
-    cost.plot([x["nodes"] for x in done], [x["cost"] for x in done], "o-", label="resumable, spot")
-    wall.plot([x["nodes"] for x in scratch], [x["from_scratch"]["expected_s"] / 60 for x in scratch], "s--",
-              label="from scratch")
-    cost.plot([x["nodes"] for x in scratch], [x["from_scratch"]["cost"] for x in scratch], "s--", label="from scratch")
-    wall.axhline(r["on_demand"]["wall_s"] / 60, color="grey", linestyle=":", label="1 node on demand")
-    cost.axhline(r["on_demand"]["cost"], color="grey", linestyle=":", label="1 node on demand")
-    wall.set(xlabel="nodes (MAX)", ylabel="expected wall, minutes",
-             title=f"{r['model']} on {r['fleet']['accelerator']}")
-    cost.set(xlabel="nodes (MAX)", ylabel="expected cost, $", title="spot, from scratch, on demand")
-    for ax in (wall, cost):
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-
-
-def _figure(path: str):
-    try:
-        from matplotlib.figure import Figure
-    except ImportError:
-        raise UsageError(f"--plot {path} needs matplotlib, which is not installed: pip install matplotlib") from None
-    return Figure
 
 
 def show(model: str, recipe, fleet: Fleet, as_json: bool = False, plot: str | None = None, scheme: str = "",
@@ -724,7 +475,7 @@ def show(model: str, recipe, fleet: Fleet, as_json: bool = False, plot: str | No
     """`plan --fleet`: the report, as a table or JSON, and drawn when `plot` names a PNG; with `calibrate`, from
     this machine's figures (`measure`)."""
     if plot:
-        _figure(plot)  # before any work
+        figure(plot)  # before any work
     work = model_work(model, recipe, fleet.moe_calibrate == "all")
     if calibrate:
         fleet = dataclasses.replace(fleet, measured=measure(model, recipe, fleet, work))

@@ -1,10 +1,7 @@
 """Checks that run before any work: a job that would fail hours later is refused at start, in one line."""
 
-import errno
 import os
-import tempfile
 
-from elastic_oneshot.durability.storage import is_url
 from elastic_oneshot.errors import UsageError
 
 
@@ -20,41 +17,20 @@ def check_separate(**paths: str):
                 raise UsageError(f"--{b} {pb} is inside --{a} {pa}: give them separate directories")
 
 
-def check_locations(model: str, state: str, destination):
+def check_locations(model: str, state, destination):
     """Before the model is read: the model, a local state and a local output apart, and each writable where it
-    is local (a state on an object store is checked by its first write, a prefix by its destination)."""
-    local_state = None if is_url(state) else state
-    check_separate(model=model, state=local_state, output=destination.local)
-    if local_state:
-        check_writable(state, "--state")
+    is local (a state on an object store is checked by its first write, a prefix by its destination). `state`: a
+    StateStore."""
+    check_separate(model=model, state=state.local, output=destination.local)
+    if state.local:
+        state.writable("--state")
     destination.preflight()
 
 
-def check_writable(path: str, option: str, beside: bool = False):
-    """Create and remove a file where the directory `path` (existing or to be made) will be written, or
-    `beside` it (an export is written next to its output, then moved into place)."""
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise UsageError(f"{option} {path} is a file, not a directory: give a directory path")
-    where = os.path.abspath(path)
-    if beside:
-        where = os.path.dirname(where.rstrip(os.sep))
-    while not os.path.isdir(where):
-        if os.path.lexists(where):
-            raise UsageError(f"{option} {path}: {where} is a file, not a directory: give a path under a directory")
-        where = os.path.dirname(where)
-    try:
-        fd, probe = tempfile.mkstemp(prefix=".elastic-oneshot-probe-", dir=where)
-        os.close(fd)
-        os.remove(probe)
-    except OSError as e:
-        raise UsageError(f"{option} {path}: cannot create a file in {where} "
-                         f"({errno.errorcode.get(e.errno, e.errno)}: {e.strerror}): give a writable location") from None
-
-
-def check_seq_len(seq_len: int, config, allow_long: bool):
+def check_seq_len(seq_len: int, config, family, allow_long: bool):
     """Positions past the model's context were never trained: calibrating there is an explicit choice. An
     image-text model's context is its language model's."""
-    limit = getattr(config.get_text_config(), "max_position_embeddings", None)
+    limit = family.context(config)
     if limit and seq_len > limit and not allow_long:
         raise UsageError(f"--seq-len {seq_len} exceeds the model's context of {limit} tokens "
                          "(max_position_embeddings): lower it, or pass --allow-long-seq to calibrate past it")

@@ -13,20 +13,22 @@ def close_all():
 
 
 class LayerBar:
-    """One tick per committed layer; layers committed before this process started count as done, not as
-    speed. While it is drawn, log lines print above it instead of through it."""
+    """One tick per committed layer, drawn from its first call (the layer loop's progress callback): layers
+    committed before this process started count as done, not as speed. While it is drawn, log lines print above it
+    instead of through it."""
 
-    def __init__(self, total: int, done: int, show: bool):
-        self.bar = tqdm(total=total, initial=done, desc="layers", unit="layer", disable=not show,
-                        dynamic_ncols=True)
-        self._logs = logging_redirect_tqdm() if show and done < total else None
-        if self._logs:
-            self._logs.__enter__()
-        _open.append(self)
-        self.update(done)
+    def __init__(self, show: bool):
+        self.show, self.bar, self._logs = show, None, None
 
-    def update(self, done: int):
-        """`done`: layers committed now (a redone layer does not move the bar)."""
+    def __call__(self, done: int, total: int):
+        """`done` of `total` layers committed now (a redone layer does not move the bar)."""
+        if self.bar is None:
+            self.bar = tqdm(total=total, initial=done, desc="layers", unit="layer", disable=not self.show,
+                            dynamic_ncols=True)
+            self._logs = logging_redirect_tqdm() if self.show and done < total else None
+            if self._logs:
+                self._logs.__enter__()
+            _open.append(self)
         if done > self.bar.n:
             self.bar.update(done - self.bar.n)
         if done >= self.bar.total:
@@ -35,7 +37,8 @@ class LayerBar:
     def close(self):
         if self in _open:
             _open.remove(self)
-        self.bar.close()
+        if self.bar is not None:
+            self.bar.close()
         if self._logs:
             self._logs.__exit__(None, None, None)
             self._logs = None

@@ -4,12 +4,8 @@ Layers done come from the commit records (the truth: files, or the etcd coordina
 everything about time (speed, ETA, epochs and their world sizes, faults, time lost) comes from events.jsonl,
 which is history only.
 
-Time lost to failures: for every epoch after the first that still had work to do, the wall time from the
-last commit before it began (or from the job's first layer start, if nothing was committed yet) to the
-first layer start after it began (or now, while none has). That covers the work in flight that was
-thrown away, noticing the fault, restarting and rendezvous; overlapping spans (a restart that failed
-again before its first layer) are counted once. Layers redone (committed again after a file was found
-damaged) are reported apart, as a count.
+Time lost to failures is events.History.lost_spans; layers redone (committed again after a file was found damaged)
+are reported apart, as a count.
 """
 
 import datetime
@@ -17,13 +13,14 @@ import json
 import sys
 import time
 
+from elastic_oneshot.durability.coordinator import open_records
 from elastic_oneshot.durability.protocol import CommitProtocol
-from elastic_oneshot.durability.records import Records, open_records
+from elastic_oneshot.durability.records import Records
 from elastic_oneshot.durability.state import StateStore
+from elastic_oneshot.events import History
 
 RECENT = 5  # layers that set the speed behind the ETA
 REFRESH_S = 5.0
-FAULTS = ("sigterm", "stale", "liveness")
 
 
 def report(state: StateStore | str, now: float | None = None, records: Records | None = None) -> dict:
@@ -35,13 +32,11 @@ def report(state: StateStore | str, now: float | None = None, records: Records |
     records = records or open_records(state)
     committed = records.committed()
     done = len(committed)
-    events = state.events()
+    history = History(state.events())
     now = time.time() if now is None else now
-    starts = [e for e in events if e["event"] == "start"]
-    layers = [e for e in events if e["event"] == "layer"]
-    commits = [e for e in events if e["event"] == "commit"]
+    commits = history.commits
 
-    began = {(e["epoch"], e["layer"]): e["time"] for e in layers}
+    began = {(e["epoch"], e["layer"]): e["time"] for e in history.layers}
     took = [(c["epoch"], c["time"] - began[c["epoch"], c["layer"]])
             for c in commits if (c["epoch"], c["layer"]) in began]
     latest = [s for e, s in took if e == took[-1][0]] if took else []
@@ -51,37 +46,18 @@ def report(state: StateStore | str, now: float | None = None, records: Records |
 
     epochs = [{"epoch": s["epoch"], "time": s["time"], "world_size": s["world_size"],
                "committed_at_start": s["committed"], "commits": sum(c["epoch"] == s["epoch"] for c in commits)}
-              for s in starts]
-    lost = lost_spans(events, total, now)
-    per_layer: dict[int, int] = {}
-    for c in commits:
-        per_layer[c["layer"]] = per_layer.get(c["layer"], 0) + 1
+              for s in history.starts]
+    lost = history.lost_spans(total, now)
     return {
         "state": state.root, "model": job["job"]["model"], "coordinator": coordinator,
         "layers_done": done, "layers_total": total, "complete": remaining == 0,
         "seconds_per_layer": _round(speed), "eta_s": _round(eta),
-        "epochs": epochs, "world_sizes": [e["world_size"] for e in epochs], "restarts": max(len(epochs) - 1, 0),
+        "epochs": epochs, "world_sizes": [e["world_size"] for e in epochs], "restarts": history.restarts,
         "lost_s": _round(sum(b - a for a, b in lost)), "lost_spans": [[_round(a), _round(b)] for a, b in lost],
-        "redone_layers": sum(n - 1 for n in per_layer.values()),
-        "faults": [e for e in events if e["event"] in FAULTS],
+        "redone_layers": history.redone(), "faults": history.faults,
         "commits": [{"layer": c["layer"], "epoch": c["epoch"], "time": c["time"]} for c in commits],
         **_replay(state, records, committed, total, commits),
     }
-
-
-def lost_spans(events: list[dict], total: int, now: float) -> list[tuple[float, float]]:
-    """The time lost to failures (see above), as merged spans: also the metrics' (metrics.history)."""
-    starts = [e for e in events if e["event"] == "start"]
-    layers = [e for e in events if e["event"] == "layer"]
-    commits = [e for e in events if e["event"] == "commit"]
-    spans = []
-    for s in starts[1:]:
-        if s["committed"] >= total:
-            continue  # run again after the end: nothing to lose
-        before = [c["time"] for c in commits if c["time"] <= s["time"]] or [layers[0]["time"] if layers else s["time"]]
-        after = [e["time"] for e in layers if e["time"] >= s["time"]]
-        spans.append((max(before), min(after) if after else now))
-    return _union(spans)
 
 
 def _replay(state: StateStore, records: Records, committed: dict[int, int], total: int, commits: list[dict]) -> dict:
@@ -172,16 +148,6 @@ def _changes(records: Records):
     yield None
     while True:
         yield from records.watch_progress(REFRESH_S)
-
-
-def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    out = []
-    for a, b in sorted(spans):
-        if out and a <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], b))
-        else:
-            out.append((a, b))
-    return out
 
 
 def _round(x):

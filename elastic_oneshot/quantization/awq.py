@@ -1,0 +1,308 @@
+"""AWQ (Lin et al., 2023) as llmcompressor 0.14's AWQModifier runs it: a transform for the quantization modifier
+after it. Pure math: no I/O, no processes; the layer step records a layer's calibration pass and runs this.
+
+For each mapping of a layer, in order (the peer's): a smooth layer (a norm, or a Linear whose output rows can be
+scaled), the balance layers that read its output, and their parent, the lowest module holding them all. Scales s
+per input channel come from the mean |x| of the balance layers' input and, with duo scaling, the mean of their
+normalized weights, raised to the powers of a grid of ratios; each grid point's loss is the squared error of the
+parent's output over every calibration token when the balance layers' weights W s are rounded to nearest with
+their scheme (W' = Q(W s) / s), against the parent's output with the weights as they are. The smallest loss wins;
+its s multiplies the balance layers' input columns and divides the smooth layer's output (smoothing.fold).
+
+Exact at any world size: both statistics are kept per calibration sample (a sample's sum of |x| per channel, a
+sample's summed squared error per grid point) in slots indexed by the sample's global number. A rank fills its
+samples' slots and leaves zeros elsewhere, so an all-reduce by sum adds only zeros to each slot; every rank then
+sums the slots in sample order, as the peer sums its batches of one sample, and chooses the same scale, the peer's.
+The work splits data-parallel: each rank runs every grid point on its own samples (the parent's forwards are the
+cost: grid points x samples), one all-reduce of [grid points, samples] floats per mapping. A sample's loss is
+summed on one thread, so its bits do not depend on the thread count.
+"""
+
+import dataclasses
+import math
+
+import torch
+from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme, QuantizationStrategy
+from compressed_tensors.utils import get_lowest_common_ancestor_name, match_modules_set
+
+from elastic_oneshot.errors import UsageError
+from elastic_oneshot.quantization import rtn
+from elastic_oneshot.quantization.cholesky import one_thread
+
+FLOOR = 1e-4  # the least scale, and the damping of the weights' mean, with duo scaling
+
+# Default mappings by architecture (the peer's AWQ registry), as (smooth, balance patterns, activation hook target).
+_QKV = ("re:.*q_proj$", "re:.*k_proj$", "re:.*v_proj$")
+_V_O = ("re:.*v_proj$", ("re:.*o_proj$",), None)
+_UP_DOWN = ("re:.*up_proj$", ("re:.*down_proj$",), None)
+_DEFAULT = (("re:.*input_layernorm$", _QKV, None), _V_O,
+            ("re:.*post_attention_layernorm$", ("re:.*gate_proj$", "re:.*up_proj$"), None), _UP_DOWN)
+_MOE = (("re:.*input_layernorm$", _QKV, None), _V_O, ("re:.*post_attention_layernorm$", (
+    "re:.*mlp.gate$", "re:.*mlp.experts.*.gate_proj$", "re:.*mlp.experts.*.up_proj$"), None), _UP_DOWN)
+_MLA = ("re:.*input_layernorm$", ("re:.*(q|q_a)_proj$", "re:.*kv_a_proj_with_mqa$"), None)
+_MLA_NORMS = (("re:.*q_a_layernorm$", ("re:.*q_b_proj$",), None), ("re:.*kv_a_layernorm$", ("re:.*kv_b_proj$",), None))
+_MLA_DENSE_FIRST = (_MLA, *_MLA_NORMS, ("re:.*post_attention_layernorm$", ("re:.*gate_proj$", "re:.*up_proj$"), None),
+                    _UP_DOWN)
+_COHERE_ATTENTION = ("re:.*self_attn.q_proj$", "re:.*self_attn.k_proj$", "re:.*self_attn.v_proj$")
+_LM = r"re:.*language_model\.layers\.\d+\."
+_MAPPINGS = {
+    _DEFAULT: ("GraniteForCausalLM", "LlamaForCausalLM", "Mistral3ForConditionalGeneration", "MistralForCausalLM",
+               "NanbeigeForCausalLM", "Qwen2ForCausalLM", "Qwen2_5OmniModel",
+               "Qwen2_5OmniThinkerForConditionalGeneration", "Qwen3ForCausalLM", "SeedOssForCausalLM",
+               "Ernie4_5_MoeForCausalLM"),
+    _MOE: ("Glm4MoeForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"),
+    (("re:.*input_layernorm$", _QKV, None), _V_O, ("re:.*post_attention_layernorm$", (
+        "re:.*feed_forward.router$", "re:.*feed_forward.*.gate_proj$", "re:.*feed_forward.*.up_proj$"), None),
+     _UP_DOWN): ("Llama4ForConditionalGeneration",),
+    (("re:.*input_layernorm$", ("re:.*qkv_proj$",), None), ("re:.*qkv_proj$", ("re:.*o_proj$",), None),
+     ("re:.*post_attention_layernorm$", ("re:.*gate_up_proj$",), None),
+     ("re:.*gate_up_proj$", ("re:.*down_proj$",), None)): ("Phi3ForCausalLM", "Phi3VForCausalLM"),
+    (("re:.*input_layernorm$", _QKV, None), _V_O,
+     ("re:.*pre_feedforward_layernorm$", ("re:.*gate_proj$", "re:.*up_proj$"), None), _UP_DOWN):
+        ("Gemma2ForCausalLM",),
+    (_V_O, ("re:.*pre_feedforward_layernorm$", ("re:.*gate_proj$", "re:.*up_proj$"), None), _UP_DOWN):
+        ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
+    ((f"{_LM}input_layernorm$", tuple(f"{_LM}self_attn.{p}_proj$" for p in ("q", "k", "v", "gate")), None),
+     (f"{_LM}self_attn.v_proj$", (f"{_LM}self_attn.o_proj$",), None),
+     (f"{_LM}pre_feedforward_layernorm$", (f"{_LM}mlp.gate_proj$", f"{_LM}mlp.up_proj$"), None),
+     (f"{_LM}mlp.up_proj$", (f"{_LM}mlp.down_proj$",), None)): ("MuseGlimmerForConditionalGeneration",),
+    (("re:.*input_layernorm$", (*_COHERE_ATTENTION, "re:.*mlp.gate_proj$", "re:.*mlp.up_proj$"), None), _V_O,
+     _UP_DOWN): ("CohereForCausalLM", "Cohere2ForCausalLM", "Cohere2VisionForConditionalGeneration"),
+    (("re:.*input_layernorm$", (*_COHERE_ATTENTION, "re:.*gate_proj$", "re:.*up_proj$"), None), _V_O, _UP_DOWN):
+        ("Cohere2MoeForCausalLM",),
+    (_MLA, *_MLA_NORMS, ("re:.*post_attention_layernorm$", ("re:.*mlp.gate$", "re:.*gate_proj$", "re:.*up_proj$"),
+                         None), _UP_DOWN): ("DeepseekV3ForCausalLM",),
+    _MLA_DENSE_FIRST: ("DeepseekV2ForCausalLM", "Glm4MoeLiteForCausalLM", "GlmMoeDsaForCausalLM"),
+    (("re:.*input_layernorm$", ("re:.*query_key_value$",), None),
+     ("re:.*post_attention_layernorm$", ("re:.*dense_h_to_4h$",), None),
+     ("re:.*gelu_impl$", ("re:.*dense_4h_to_h$",), None)): ("BloomForCausalLM",),
+    (_V_O, _UP_DOWN): ("Exaone4ForCausalLM", "OlmoForCausalLM", "Olmo3ForCausalLM"),
+    (("re:.*input_layernorm$", (*_COHERE_ATTENTION, "re:.*self_attn.gate_proj$"), None), _V_O,
+     ("re:.*pre_mlp_layernorm$", ("re:.*mlp.router$", "re:.*mlp.*gate_proj$", "re:.*mlp.*up_proj$"), None),
+     _UP_DOWN): ("AfmoeForCausalLM",),
+    (("re:.*input_layernorm$", _QKV, None), _V_O,
+     (r"re:.*language_model\.layers\.\d+\.post_attention_layernorm$",
+      (r"re:.*language_model\.layers\.\d+\.mlp\.gate_proj$", r"re:.*language_model\.layers\.\d+\.mlp\.up_proj$"),
+      None),
+     (r"re:.*language_model\.layers\.\d+\.mlp\.up_proj$", (r"re:.*language_model\.layers\.\d+\.mlp\.down_proj$",),
+      None)): ("Qwen2_5_VLForConditionalGeneration",),
+}
+BY_ARCHITECTURE = {arch: mappings for mappings, archs in _MAPPINGS.items() for arch in archs}
+# Hybrid attention and mixed dense/sparse stacks: the peer builds these from the layer types; here they must be given.
+NO_DEFAULT = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration",
+              "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration", "Step3p5ForCausalLM")
+
+
+@dataclasses.dataclass(frozen=True)
+class Mapping:
+    """A resolved mapping, by full module name: `parent` is run for the loss; `hook` is the module whose input is
+    the smoothed activation (the first balance layer's, or the mapping's activation hook target)."""
+
+    smooth: str
+    balance: tuple[str, ...]
+    parent: str
+    hook: str
+
+
+def default_mappings(architecture: str) -> tuple:
+    """The peer's AWQ mappings for a model class (config.architectures[0]); the default ones for a class it does
+    not list."""
+    if architecture in NO_DEFAULT:
+        raise UsageError(f"AWQModifier has no default mappings for {architecture} (its layers differ): give mappings")
+    return BY_ARCHITECTURE.get(architecture, _DEFAULT)
+
+
+def resolve(model: torch.nn.Module, mappings, schemes: dict[str, QuantizationScheme], duo_scaling=True
+            ) -> list[Mapping]:
+    """Each mapping's modules, one set per parent context (compressed-tensors' match_modules_set), as the peer
+    resolves them: a set is skipped when it has no balance layer, when none of its layers is quantized (`schemes`:
+    the quantization modifier's, by module), and when a v_proj (or fused qkv_proj) does not feed its o_proj
+    channel for channel (grouped-query attention). Duo scaling needs weights quantized by channel or group.
+    `model` may be on the meta device."""
+    modules = dict(model.named_modules())
+    names = {id(m): n for n, m in modules.items()}
+    out = []
+    for smooth_pattern, balance_patterns, hook_target in mappings:
+        try:
+            sets = list(match_modules_set(model, [smooth_pattern, *balance_patterns]))
+        except ValueError as e:
+            raise UsageError(f"AWQ mapping {smooth_pattern} cannot be resolved: {e}") from None
+        for smooth, *balance_sets in sets:
+            if len(smooth) > 1:
+                raise UsageError(f"AWQ mapping {smooth_pattern} matches {len(smooth)} smooth layers in one set "
+                                 f"({', '.join(names[id(m)] for m in smooth)}): give a narrower pattern")
+            smooth_name = names[id(smooth[0])]
+            balance = tuple(names[id(m)] for group in balance_sets for m in group)
+            if not balance or not _feeds(modules, smooth_name, balance) or \
+                    not any(n in schemes for n in (smooth_name, *balance)):
+                continue
+            parent = _parent(modules, balance)
+            hook = balance[0]
+            if hook_target:
+                hook = f"{parent}.{hook_target}" if parent else hook_target
+                if hook not in modules:
+                    raise UsageError(f"AWQ mapping {smooth_pattern}: activation_hook_target {hook_target!r} is not "
+                                     f"a module of {parent or 'the model'}")
+            out.append(Mapping(smooth_name, balance, parent, hook))
+    if duo_scaling is not False:
+        for m in out:
+            for name in m.balance:
+                if name in schemes and schemes[name].weights.strategy == QuantizationStrategy.TENSOR:
+                    raise UsageError(f"AWQModifier duo_scaling needs weights quantized by channel or group, and "
+                                     f"{name}'s are by tensor: set duo_scaling: false")
+    return out
+
+
+def _feeds(modules: dict, smooth: str, balance: tuple[str, ...]) -> bool:
+    """False for a v_proj (or qkv_proj) whose outputs are not its o_proj's inputs one for one."""
+    first = modules[smooth]
+    for name in balance:
+        layer = modules[name]
+        if not (isinstance(first, torch.nn.Linear) and isinstance(layer, torch.nn.Linear) and name.endswith(".o_proj")):
+            continue
+        if smooth.endswith(".v_proj") and first.out_features != layer.in_features or \
+                smooth.endswith(".qkv_proj") and first.out_features != 3 * layer.in_features:
+            return False
+    return True
+
+
+def _parent(modules: dict, balance: tuple[str, ...]) -> str:
+    """The lowest common ancestor of the balance layers that is not a ModuleList (whose forward is never called)."""
+    name = get_lowest_common_ancestor_name(list(balance))
+    while name and isinstance(modules[name], torch.nn.ModuleList):
+        name = name.rpartition(".")[0]
+    return name
+
+
+# -- the statistics, per sample ------------------------------------------------------------------------------------
+def activation_sum(x: torch.Tensor) -> torch.Tensor:
+    """One sample's slot of the activation statistics: the sum over its tokens of |x| per channel, in fp32."""
+    return x.abs().reshape(-1, x.shape[-1]).float().sum(dim=0)
+
+
+def activation_mean(sums: torch.Tensor, tokens: int) -> torch.Tensor:
+    """Mean |x| per channel: `sums` [samples, channels], every sample's slot, summed in sample order in fp32; over
+    `tokens` in all."""
+    total = torch.zeros_like(sums[0])
+    for s in sums:
+        total += s
+    return total / torch.tensor(tokens)
+
+
+def weight_mean(weights: list[torch.Tensor], args: list[QuantizationArgs]) -> torch.Tensor:
+    """Duo scaling's weight statistic (fp64, per input channel): the mean over the quantized balance layers' rows of
+    |W| normalized by its maximum in each group of weights that share a scale (tensor, row, group, block)."""
+    total, rows = 0, 0
+    for weight, a in zip(weights, args):
+        w, shape = weight.clone(), weight.shape
+        if a.strategy == QuantizationStrategy.BLOCK:
+            height, width = a.block_structure
+            w = w.unflatten(0, (-1, height)).unflatten(-1, (-1, width)).transpose(1, 2)
+            blocked = w.shape
+            size = height * width
+        else:
+            size = {QuantizationStrategy.TENSOR: w.numel(), QuantizationStrategy.CHANNEL: w.shape[1]}.get(
+                a.strategy, a.group_size)
+        w = w.reshape(-1, size)
+        w.abs_()
+        w.div_(w.amax(dim=1, keepdim=True) + 1e-6)
+        if a.strategy == QuantizationStrategy.BLOCK:
+            w = w.view(blocked).transpose(1, 2)
+        w = w.reshape(shape)
+        rows += w.shape[0]
+        total += w.sum(0, dtype=torch.float64)
+    return total / rows
+
+
+# -- the grid search -------------------------------------------------------------------------------------------------
+def grid(n_grid: int = 20, duo_scaling=True) -> list[tuple[float, bool]]:
+    """The grid points (ratio, with duo scaling), in the peer's order: the identity (ratio 0) first, then ratios in
+    [0, 1]; "both" tries half as many ratios, each without and with duo scaling."""
+    if duo_scaling == "both":
+        n = n_grid // 2
+        return [(i / (n - 1), duo) for i in range(n) for duo in (False, True)]
+    if duo_scaling:
+        return [(0.0, False)] + [(i / (n_grid - 2), True) for i in range(n_grid - 1)]
+    return [(i / (n_grid - 1), False) for i in range(n_grid)]
+
+
+def scales(x_mean: torch.Tensor, w_mean: torch.Tensor | None, ratio: float, duo: bool) -> torch.Tensor:
+    """A grid point's scales: x^r (/ (w^(1-r) + FLOOR) with duo scaling), at least FLOOR, normalized so that their
+    largest and smallest multiply to 1; inf and nan become 1."""
+    if duo:
+        s = (x_mean.pow(ratio) / (w_mean.pow(1 - ratio) + FLOOR)).clamp(min=FLOOR)
+    else:
+        s = x_mean.pow(ratio).clamp(min=FLOOR).view(-1)
+    s = s / (s.max() * s.min()).sqrt()
+    s[torch.isinf(s)] = 1
+    s[torch.isnan(s)] = 1
+    return s
+
+
+def candidate(weights: dict[str, torch.Tensor], s: torch.Tensor, args: dict[str, QuantizationArgs],
+              fused_scales: tuple[tuple[str, ...], ...]) -> dict[str, torch.Tensor]:
+    """The quantized balance layers' weights at scales s: Q(W s) / s, W s stored in the weight's dtype and rounded
+    to nearest with qparams observed on it (a fusion group's siblings among them sharing a global scale)."""
+    row = s.view(1, -1)
+    scaled = {name: (w * row).to(w.dtype) for name, w in weights.items()}
+    q = rtn.qparams(scaled, args, fused_scales)
+    return {name: (rtn.fake_quantize(w, q[name], args[name]) / row).to(w.dtype) for name, w in scaled.items()}
+
+
+@torch.no_grad()
+def outputs(parent: torch.nn.Module, calls: list[dict]) -> list[torch.Tensor]:
+    """The parent's output (a tuple's first) for each sample, from the keyword arguments it was called with."""
+    out = []
+    for kwargs in calls:
+        y = parent(**kwargs)
+        out.append(y[0] if isinstance(y, tuple) else y)
+    return out
+
+
+def usable(reference: list[torch.Tensor]) -> bool:
+    """Whether a rank's reference outputs allow a search: all finite (the peer skips a mapping otherwise; the loop
+    skips it when any rank says no, or when no rank has a token)."""
+    return all(bool(y.isfinite().all()) for y in reference)
+
+
+@one_thread()
+def sample_errors(reference: list[torch.Tensor], got: list[torch.Tensor]) -> torch.Tensor:
+    """[samples]: each sample's summed squared error (fp32), on one thread, as the peer sums a batch's."""
+    return torch.stack([torch.nn.functional.mse_loss(r, g.to(r.device), reduction="sum")
+                        for r, g in zip(reference, got)]) if reference else torch.zeros(0)
+
+
+@torch.no_grad()
+def grid_errors(parent: torch.nn.Module, calls: list[dict], balance: dict[str, torch.nn.Module], points: list,
+                x_mean: torch.Tensor, w_mean: torch.Tensor | None, args: dict[str, QuantizationArgs],
+                fused_scales: tuple[tuple[str, ...], ...], reference: list[torch.Tensor]) -> torch.Tensor:
+    """[grid points, samples]: this rank's samples' errors at every grid point, the quantized balance layers
+    (`balance`, by name within the layer; their weights as the earlier mappings left them) holding each point's
+    candidate in turn, and their weights put back."""
+    originals = {name: m.weight.data for name, m in balance.items()}
+    errors = []
+    try:
+        for ratio, duo in points:
+            for name, w in candidate(originals, scales(x_mean, w_mean, ratio, duo), args, fused_scales).items():
+                balance[name].weight.data = w
+            errors.append(sample_errors(reference, outputs(parent, calls)))
+    finally:
+        for name, w in originals.items():
+            balance[name].weight.data = w
+    return torch.stack(errors)
+
+
+def best(errors: torch.Tensor, elements: int) -> int:
+    """The grid point of least mean squared error: `errors` [grid points, samples], every sample's slot, summed in
+    sample order in fp32 and divided by the number of output elements; the first of equal ones."""
+    choice, least = None, math.inf
+    for point, row in enumerate(errors):
+        total = torch.zeros((), dtype=torch.float32, device=row.device)
+        for e in row:
+            total += e
+        loss = (total / torch.tensor(elements)).item()
+        if loss < least:
+            choice, least = point, loss
+    if choice is None:
+        raise ValueError("no grid point of AWQ gave a finite loss: the layer's outputs hold NaN")
+    return choice

@@ -1,0 +1,55 @@
+"""SparseGPT (Frantar and Alistarh, 2023) as llmcompressor 0.14's SparseGPTModifier runs it. Pure math: no I/O, no
+processes.
+
+It shares GPTQ's first half: the Hessian of a module's inputs (gptq.hessian_add, summed then divided by the
+number of samples, where the peer keeps a running average: the same matrix up to rounding) and its inverse's upper
+Cholesky factor (gptq.prepare without activation order: dead columns, damping, the retries on failure). Its column
+loop is its own: instead of rounding a column, it zeroes the weights of a mask and spreads their error over the
+later columns as GPTQ does. Unstructured masks are chosen per block of columns over all rows (a threshold on
+w^2 / d^2 at the sparsity's quantile), so a module is solved whole on one rank; N:M masks per row (the N least of
+each M columns, chosen as the loop reaches them), so rows may be split across ranks as GPTQ's are.
+"""
+
+import torch
+
+from elastic_oneshot.quantization.gptq import Prepared
+
+
+@torch.no_grad()
+def sparsify(weight: torch.Tensor, prep: Prepared, sparsity: float, n: int = 0, m: int = 0, block_size: int = 128
+             ) -> torch.Tensor:
+    """The pruned weight [rows, cols] (in the weight's dtype): `prep` from gptq.prepare(H[None], None, damping)
+    (one matrix, identity order); `n`, `m` 0 for an unstructured mask of `sparsity`, else N of every M pruned.
+    Dead columns are zeroed. The steps are the peer's, in fp32, so that on the same inverse factor the result is
+    its bit for bit."""
+    hinv, dead = prep.hinv[0], prep.dead[0]
+    W = weight.to(torch.float32, copy=True)
+    W[:, dead] = 0
+    rows, cols = W.shape
+    for i1 in range(0, cols, block_size):
+        i2 = min(i1 + block_size, cols)
+        h1 = hinv[i1:i2, i1:i2]
+        w1 = W[:, i1:i2].clone()
+        kept = torch.zeros_like(w1)
+        errors = torch.zeros_like(w1)
+        diag = torch.diag(h1).reshape(1, -1)
+        if n == 0:
+            score = w1**2 / diag**2
+            threshold = torch.sort(score.flatten())[0][int(score.numel() * sparsity)]
+            mask = score <= threshold
+        else:
+            mask = torch.zeros_like(w1) == 1
+        for i in range(i2 - i1):
+            if n and i % m == 0:
+                score = w1[:, i:i + m] ** 2 / diag[:, i:i + m] ** 2
+                mask.scatter_(1, i + torch.topk(score, n, dim=1, largest=False)[1], True)
+            w = w1[:, i]
+            q = w.clone()
+            q[mask[:, i]] = 0
+            kept[:, i] = q
+            err = (w - q) / h1[i, i]
+            w1[:, i:] -= err.unsqueeze(1).matmul(h1[i, i:].unsqueeze(0))
+            errors[:, i] = err
+        W[:, i1:i2] = kept
+        W[:, i2:] -= errors.matmul(hinv[i1:i2, i2:])
+    return W.to(weight.dtype)

@@ -1,0 +1,162 @@
+"""AWQ (quantization/awq.py) against llmcompressor 0.14's AWQModifier followed by its QuantizationModifier on a tiny
+real Llama: the same mappings, and layer after layer, from the same inputs, the same grid search and the same
+folded weights bit for bit; the choice the same for any split of the samples across ranks and any thread count."""
+
+import pytest
+import torch
+
+from elastic_oneshot.models.family import family_for
+from elastic_oneshot.quantization import awq, smoothing
+from elastic_oneshot.quantization.recipe import AWQ, RTN, Recipe
+from elastic_oneshot.testing.tiny import make_model
+from tests.peer_modifiers import load, one_thread, record, run_peer, tokens  # noqa: F401 (a fixture)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """Keys and values in as many heads as queries, so that v_proj feeds o_proj one for one (its mapping runs)."""
+    return make_model(str(tmp_path_factory.mktemp("models") / "llama"), "llama", num_key_value_heads=4)
+
+
+def recipe(scheme: str, duo_scaling) -> Recipe:
+    return Recipe(scheme=scheme.removesuffix("_ASYM"), symmetric=not scheme.endswith("_ASYM"), actorder=None,
+                  quantizer=RTN, stages=(AWQ(duo_scaling=duo_scaling),))
+
+
+def layer_step(model, ids, mappings: list[awq.Mapping], schemes: dict, stage: AWQ, ranks: int = 1):
+    """AWQ on one layer, as the layer step will run it over `ranks` ranks: one calibration pass records each
+    mapping's hooked inputs and its parent's calls; then, mapping after mapping, each rank's samples' statistics go
+    into per-sample slots, are reduced (a sum where only one rank's slot is nonzero), and every rank chooses and
+    folds the same scales."""
+    modules = dict(model.named_modules())
+    fused = family_for(model.config).fused_scales
+    seen = record(model, ids, sorted({m.hook for m in mappings}), sorted({m.parent for m in mappings}))
+    parts = torch.tensor_split(torch.arange(len(ids)), ranks)
+    for m in mappings:
+        calls, inputs = seen.calls[m.parent], seen.inputs[m.hook]
+        quantized = {b: modules[b] for b in m.balance if b in schemes}
+        args = {b: schemes[b].weights for b in quantized}
+        sums = torch.stack([awq.activation_sum(x) for x in inputs])  # the slots, all ranks' at once
+        tokens_ = sum(x.numel() // x.shape[-1] for x in inputs)
+        x_mean = awq.activation_mean(sums, tokens_)
+        w_mean = awq.weight_mean([w.weight for w in quantized.values()], list(args.values())) \
+            if stage.duo_scaling else None
+        points = awq.grid(stage.n_grid, stage.duo_scaling)
+        errors = torch.zeros(len(points), len(ids))
+        elements = 0
+        for part in parts:  # each rank: its samples only
+            mine = [calls[i] for i in part]
+            reference = awq.outputs(modules[m.parent], mine)
+            assert awq.usable(reference)
+            elements += sum(r.numel() for r in reference)
+            slots = torch.zeros(len(points), len(ids))
+            slots[:, part] = awq.grid_errors(modules[m.parent], mine, quantized, points, x_mean, w_mean, args, fused,
+                                             reference)
+            errors += slots  # the all-reduce
+        s = awq.scales(x_mean, w_mean, *points[awq.best(errors, elements)])
+        smooth = modules[m.smooth]
+        new, balance, bias = smoothing.fold(s, smooth.weight, [modules[b].weight for b in m.balance],
+                                            getattr(smooth, "bias", None))
+        with torch.no_grad():
+            smooth.weight.copy_(new)
+            if bias is not None:
+                smooth.bias.copy_(bias)
+            for b, w in zip(m.balance, balance):
+                modules[b].weight.copy_(w)
+
+
+def awq_layer_by_layer(path: str, r: Recipe, ranks: int = 1, layers: int | None = None):
+    model = load(path)
+    ids = tokens(path)
+    schemes = r.module_schemes(model, family_for(model.config))
+    (stage,) = r.stages
+    mappings = awq.resolve(model, awq.default_mappings(model.config.architectures[0]), schemes, stage.duo_scaling)
+    for index in range(layers or model.config.num_hidden_layers):
+        layer_step(model, ids, [m for m in mappings if m.smooth.startswith(f"model.layers.{index}.")], schemes, stage,
+                   ranks)
+    return model
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("scheme, duo_scaling", [("W4A16_ASYM", True), ("W4A16", "both"), ("NVFP4A16", False)])
+def test_awq_weights_equal_the_peers(llama, scheme, duo_scaling):
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from llmcompressor.modifiers.transform import AWQModifier
+
+    peer = [AWQModifier(duo_scaling=duo_scaling), QuantizationModifier(scheme=scheme, ignore=["lm_head"])]
+    theirs = run_peer(llama, peer, pin_memory=False).state_dict()
+    ours = awq_layer_by_layer(llama, recipe(scheme, duo_scaling)).state_dict()
+    original = load(llama).state_dict()
+    changed = [k for k in ours if not torch.equal(ours[k], original[k])]
+    assert len(changed) > 4 * 9 // 2  # of the two norms, q/k/v, o_proj, gate/up, down (the identity may win)
+    assert [k for k in ours if not torch.equal(theirs[k], ours[k])] == []
+
+
+def test_default_mappings_resolve_as_the_peers(llama):
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from llmcompressor.modifiers.transform import AWQModifier
+    from llmcompressor.modifiers.transform.awq.base import get_lowest_common_ancestor_with_avoid
+
+    for kv_heads in (4, 2):  # grouped-query attention: v_proj does not feed o_proj one for one
+        model = load(llama)
+        if kv_heads == 2:
+            model.model.layers[0].self_attn.v_proj = torch.nn.Linear(128, 64, bias=False)
+        r = recipe("W4A16", True)
+        schemes = r.module_schemes(model, family_for(model.config))
+        QuantizationModifier(scheme="W4A16", ignore=["lm_head"]).initialize_quantization(model)
+        peer = AWQModifier()
+        peer.mappings = awq.default_mappings("LlamaForCausalLM")
+        peer.mappings = [type("M", (), dict(smooth_layer=s, balance_layers=list(b), activation_hook_target=t))
+                         for s, b, t in peer.mappings]
+        peer._set_resolved_mappings(model)
+        theirs = [awq.Mapping(m.smooth_name, tuple(m.balance_names), m.parent_name, m.balance_names[0])
+                  for m in peer._resolved_mappings]
+        ours = awq.resolve(model, awq.default_mappings("LlamaForCausalLM"), schemes)
+        assert ours == theirs and len(ours) == 4 * 4 - (kv_heads == 2)
+        assert get_lowest_common_ancestor_with_avoid([ours[0].balance[0]], model)[0] == ours[0].balance[0]
+
+
+def test_a_tensor_scheme_refuses_duo_scaling(llama):
+    model = load(llama)
+    r = recipe("FP8", True)
+    with pytest.raises(Exception, match="duo_scaling needs weights quantized by channel or group"):
+        awq.resolve(model, awq.default_mappings("LlamaForCausalLM"), r.module_schemes(model, family_for(model.config)))
+
+
+@pytest.mark.slow
+def test_the_choice_does_not_depend_on_the_ranks_or_the_threads(llama):
+    """Layers 0 and 1 (layer 1 on layer 0's smoothed outputs); two threads beside other work are slow here."""
+    results = []
+    for ranks, threads in ((1, 1), (3, 2), (8, 1)):
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            results.append(awq_layer_by_layer(llama, recipe("W4A16_ASYM", True), ranks, layers=2).state_dict())
+        finally:
+            torch.set_num_threads(before)
+    for other in results[1:]:
+        assert [k for k in other if not torch.equal(other[k], results[0][k])] == []
+
+
+def test_grid_points_are_the_peers():
+    from llmcompressor.modifiers.transform import AWQModifier
+
+    for duo in (True, False, "both"):
+        for n in (4, 5, 20):
+            assert awq.grid(n, duo) == AWQModifier(duo_scaling=duo, n_grid=n)._get_grid_search_params()
+
+
+def test_a_samples_statistics_do_not_depend_on_the_threads():
+    """At real sizes a whole-tensor sum splits by thread (here 2 threads moved mse_loss's sum of 2M elements by one
+    ulp): a sample's error is summed on one thread; its per-channel sums split by channel, which keeps them."""
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(1, 2048, 1024, generator=g), torch.randn(1, 2048, 1024, generator=g)
+    before, seen = torch.get_num_threads(), []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            seen.append((awq.sample_errors([a], [b]), awq.activation_sum(a)))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(seen[0][0], seen[1][0]) and torch.equal(seen[0][1], seen[1][1])
