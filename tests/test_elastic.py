@@ -19,7 +19,7 @@ from launch.chaos import Cluster, late_writes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-JOB = ["--num-samples", 48, "--seq-len", 256, "--group-size", 64, "--chunk-size", 8]
+JOB = ["--num-samples", 48, "--seq-len", 128, "--group-size", 64, "--chunk-size", 8]
 TIMEOUT = 10  # --collective-timeout: the bound on noticing a frozen peer
 
 

@@ -1,6 +1,7 @@
 """Running jobs the way users do (a fresh interpreter, or torchrun) and comparing what they wrote: shared by the
 tests and the chaos harness."""
 
+import atexit
 import hashlib
 import json
 import os
@@ -23,20 +24,21 @@ JOB = ["--num-samples", 32, "--seq-len", 128, "--group-size", 64, "--chunk-size"
 SWEEP = dict(num_calibration_samples=32, max_seq_length=64, group_size=32, chunk_size=8)
 
 
-def run_cli(*args, check=True, **kwargs) -> subprocess.CompletedProcess:
+CLI = ("-m", "elastic_oneshot")  # what the interpreter runs: the command line (or a script that patches it first)
+
+
+def run_cli(*args, check=True, program=CLI, **kwargs) -> subprocess.CompletedProcess:
     """`elastic-oneshot ARGS` in a fresh interpreter."""
-    proc = subprocess.run([sys.executable, "-m", "elastic_oneshot", *map(str, args)],
-                          capture_output=True, text=True, **kwargs)
+    proc = subprocess.run([sys.executable, *program, *map(str, args)], capture_output=True, text=True, **kwargs)
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}\n{proc.stderr[-3000:]}")
     return proc
 
 
-def torchrun_cmd(nproc: int, *args, max_restarts: int = 0, extra=()) -> list[str]:
+def torchrun_cmd(nproc: int, *args, max_restarts: int = 0, extra=(), program=CLI) -> list[str]:
     """A single-node torchrun of `elastic-oneshot ARGS` (python -m torch.distributed.run is torchrun)."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            f"--max-restarts={max_restarts}", "--monitor-interval=0.2", *extra, "-m", "elastic_oneshot",
-            *map(str, args)]
+            f"--max-restarts={max_restarts}", "--monitor-interval=0.2", *extra, *program, *map(str, args)]
 
 
 def one_thread_env() -> dict:
@@ -46,12 +48,13 @@ def one_thread_env() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
-def run_world(world: int, model, out, job=JOB, **kw):
+def run_world(world: int, model, out, job=JOB, program=CLI, **kw):
     """The job at `world` ranks of one thread each (one process without torchrun at 1)."""
     args = ["run", "--model", model, "--output", out, *job]
     if world == 1:
-        return run_cli(*args, env=one_thread_env())
-    proc = subprocess.run(torchrun_cmd(world, *args, **kw), capture_output=True, text=True, env=one_thread_env())
+        return run_cli(*args, env=one_thread_env(), program=program)
+    proc = subprocess.run(torchrun_cmd(world, *args, program=program, **kw), capture_output=True, text=True,
+                          env=one_thread_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
@@ -187,6 +190,15 @@ class FreshLoader:
         self.log.seek(0)
         return self._answer(lines, self.log.read())
 
+    def close(self):
+        """End the kept interpreter (its stdin closed, it returns) and its log."""
+        if self.proc is not None:
+            self.proc.stdin.close()
+            self.proc.wait()
+            self.proc.stdout.close()
+            self.log.close()
+            self.proc = None
+
     @staticmethod
     def _answer(lines: list[str], stderr: str) -> dict:
         answers = [line for line in lines if line.startswith("ANSWER ")]
@@ -197,6 +209,7 @@ class FreshLoader:
 
 
 _loader = FreshLoader()
+atexit.register(_loader.close)
 
 
 def _scheme(out: str):
