@@ -89,6 +89,7 @@ def test_compressed_loads_generates_and_beats_round_to_nearest(model_type, moe, 
                  "0 missing, 0 unexpected")
     if model_type in MODULE_BOUND:
         errors = module_errors(model, out, f"{out}.rtn", heldout(model))
+        table[-1] += "; per module " + ", ".join(f"{n} {e:.3f} < {e_rtn:.3f}" for n, (e, e_rtn) in errors.items())
         assert len(errors) == len(codes) and all(0 < e < e_rtn for e, e_rtn in errors.values()), errors
     else:
         assert 0 < err < err_rtn
