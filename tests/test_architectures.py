@@ -1,18 +1,17 @@
 """Every decoder transformers builds from its config classes, without a whitelist: tiny random models of each type
-(2 layers, hidden 64; mixtures with 4 experts, 2 per token) are compressed, loaded in transformers with nothing
-missing or unexpected, generate, and stay within a stated logit error of the unquantized model, with GPTQ (no
-round-to-nearest fallback) everywhere; for mixtures every routed and shared expert is quantized, and routers and
-shared-expert gates stay dense. Image-text models have their language model compressed and the rest copied. Types
-that are refused are refused at start, with the reason. The guard refuses a checkpoint that would load with
-missing tensors.
+(2 layers, hidden 64; mixtures with 4 experts, 2 per token) are compressed with GPTQ everywhere (no module fell back
+to round-to-nearest, as the commits record), loaded in a fresh interpreter as a user loads them (transformers
+alone, or after `elastic_oneshot.teach_transformers` where the checkpoint's README says so) with nothing missing or
+unexpected, generate, and have a lower logit error than round-to-nearest with the same scales on the same tokens;
+for mixtures every routed and shared expert is quantized, and routers and shared-expert gates stay dense.
+Image-text models have their language model compressed and the rest copied. Types that are refused are refused at
+start, with the reason. The guard refuses a checkpoint that would load with missing tensors.
 
 What the family's `default_ignores` names the recipe keeps dense without being told (no test passes `ignore`)."""
 
 import json
 import logging
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -25,7 +24,7 @@ from elastic_oneshot.errors import UsageError
 from elastic_oneshot.models.family import Family
 from elastic_oneshot.models.loadable import load_keys
 from elastic_oneshot.models.source import SourceModel
-from elastic_oneshot.testing.runs import TOLERANCE, check_compressed, packed_modules
+from elastic_oneshot.testing.runs import SWEEP, assert_solved, check_compressed, heldout, module_errors, packed_modules
 from elastic_oneshot.testing.tiny import MULTIMODAL, make_tiny, make_tiny_multimodal
 
 DENSE = ["llama", "mistral", "ministral", "qwen2", "qwen3", "phi3", "olmo", "olmo2", "granite", "cohere", "starcoder2",
@@ -38,6 +37,16 @@ MOE = ["qwen3_moe", "qwen2_moe", "deepseek_v3", "glm4_moe", "qwen3_next", "olmoe
 # four layers is sparse; GLM-4-MoE-Lite's first layer is dense; JetMoE's fused experts stay dense (no per-expert
 # form that vLLM or llm-compressor reads).
 ROUTED = {"nemotron_h": 4 * 2, "glm4_moe_lite": 4 * 3, "jetmoe": 0}
+# Loaded in a new process only once taught (elastic_oneshot.teach_transformers, as the checkpoint's README and the
+# run's last lines say): their checkpoints store experts fused, compressed-tensors quantizes Linear modules only, so
+# the quantized experts are written one by one, and transformers has no converter from those to its fused experts.
+TAUGHT = {"gpt_oss", "granitemoe", "granitemoehybrid"}
+# Where the logit error cannot tell GPTQ from round-to-nearest, the error GPTQ minimizes does, module by module (each
+# quantized module's output on held-out text): JetMoE quantizes only its two kv_proj (64 x 64; its experts stay
+# dense), so its logit error is two draws through attention's softmax. GPTQ's kv_proj outputs are the closer (0.085
+# and 0.089 against 0.094 and 0.093 here), but its logits are not always: 1.10 x round-to-nearest's at seed 0, 0.98,
+# 0.94 and 0.91 x at seeds 1 to 3.
+MODULE_BOUND = {"jetmoe"}
 REFUSED = {  # refused at start, before any work, with the reason
     "gpt2": ("dense", "has no stack of layers"),  # its blocks are `h`, of Conv1D projections
 }
@@ -55,28 +64,35 @@ def table(request):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type, moe", [(t, False) for t in DENSE] + [(t, True) for t in MOE])
-def test_compressed_loads_generates_and_stays_close(model_type, moe, tmp_path, caplog, table):
+def test_compressed_loads_generates_and_beats_round_to_nearest(model_type, moe, tmp_path, caplog, table):
     caplog.set_level(logging.INFO, "elastic_oneshot")
     model = make_tiny(str(tmp_path / model_type), model_type, moe=moe)
     source = SourceModel(model)
     dense = source.family.default_ignores(source.skeleton)
-    out = oneshot(model=model, num_calibration_samples=8, max_seq_length=32, group_size=32, chunk_size=8,
-                  output_dir=str(tmp_path / "out"))
+    out = oneshot(model=model, output_dir=str(tmp_path / "out"), **SWEEP)
     with open(os.path.join(out, "config.json")) as f:
         assert set(dense) <= set(json.load(f)["quantization_config"]["ignore"])
-    # GPTQ everywhere: a round-to-nearest fallback means a layer calibrated on garbage (an unbuilt buffer)
-    assert any(r.getMessage().startswith("wrote") for r in caplog.records)
     assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
-    err = check_compressed(model, out)
     codes = packed_modules(out)
+    assert_solved(out, codes)
+    taught = [r.getMessage() for r in caplog.records if "teach_transformers(path)" in r.getMessage()]
+    assert len(taught) == (model_type in TAUGHT)  # the run's last lines say how to load it
+    err, err_rtn = check_compressed(model, out, teach=model_type in TAUGHT)
     linears = [n for n, m in source.skeleton.named_modules() if isinstance(m, torch.nn.Linear)]
     routed = [n for n in linears if ".experts." in n and n not in dense]
     shared = [n for n in linears if ".shared_" in n and not n.endswith("_gate")]
     stored = {source.stored_name(f"{n}.weight").removesuffix(".weight") for n in routed + shared}
     assert stored <= codes and len(routed) == ROUTED.get(model_type, 2 * 4 * 3 if moe else 0)
     table.append(f"{model_type:18} {'moe' if moe else 'dense':5} {len(codes):4} quantized  {len(routed):3} routed "
-                f"{len(shared):2} shared expert projections {len(dense):2} kept dense  logit error {err:.3f}")
-    assert 0 < err < TOLERANCE
+                 f"{len(shared):2} shared expert projections {len(dense):2} kept dense  logit error {err:.3f}, "
+                 f"round-to-nearest {err_rtn:.3f}; loaded fresh{' once taught' if model_type in TAUGHT else ''}: "
+                 "0 missing, 0 unexpected")
+    if model_type in MODULE_BOUND:
+        errors = module_errors(model, out, f"{out}.rtn", heldout(model))
+        table[-1] += "; per module " + ", ".join(f"{n} {e:.3f} < {e_rtn:.3f}" for n, (e, e_rtn) in errors.items())
+        assert len(errors) == len(codes) and all(0 < e < e_rtn for e, e_rtn in errors.values()), errors
+    else:
+        assert 0 < err < err_rtn
 
 
 @pytest.mark.parametrize("model_type", sorted(REFUSED))
@@ -104,20 +120,21 @@ def test_routers_and_shared_expert_gates_stay_dense_by_default(model_type, dense
 @pytest.mark.parametrize("model_type", sorted(MULTIMODAL))
 def test_multimodal_language_model_compressed_vision_copied(model_type, tmp_path, caplog, table):
     """Qwen2.5-VL, Gemma 3 and Llama 4 (a mixture with a shared expert, experts stored fused) as image-text
-    models: the language model calibrated on text and compressed, every other tensor (the vision tower and the
-    projector included) copied byte for byte, loaded as the image-text model and generating."""
+    models: the language model calibrated on text and compressed (better than round-to-nearest), every other tensor
+    (the vision tower and the projector included) copied byte for byte, loaded in a fresh interpreter as the
+    image-text model and generating."""
     caplog.set_level(logging.INFO, "elastic_oneshot")
     model = make_tiny_multimodal(str(tmp_path / model_type), model_type)
     source = SourceModel(model)
     dense = source.family.default_ignores(source.skeleton)
-    out = oneshot(model=model, num_calibration_samples=8, max_seq_length=32, group_size=32, chunk_size=8,
-                  output_dir=str(tmp_path / "out"))
+    out = oneshot(model=model, output_dir=str(tmp_path / "out"), **SWEEP)
     assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
-    err = check_compressed(model, out, transformers.AutoModelForImageTextToText)
+    err, err_rtn = check_compressed(model, out, "AutoModelForImageTextToText")
     layers = [n for n, m in source.skeleton.named_modules() if isinstance(m, torch.nn.Linear)
               and n.startswith(source.layer_prefix) and n not in dense]
     codes = packed_modules(out)
     assert codes == {source.stored_name(f"{n}.weight").removesuffix(".weight") for n in layers}
+    assert_solved(out, codes)
     fused = {stored for stored, _, _ in source.fused.values()}
     with safe_open(os.path.join(model, "model.safetensors"), "pt") as f, \
             safe_open(os.path.join(out, "model.safetensors"), "pt") as g:
@@ -126,24 +143,9 @@ def test_multimodal_language_model_compressed_vision_copied(model_type, tmp_path
     vision = [k for k in copied if "vision" in k or "visual" in k]
     assert len(vision) > 10
     table.append(f"{model_type:18} image {len(codes):4} quantized, {len(vision)} vision tensors copied, "
-                f"{len(dense):2} kept dense  logit error {err:.3f}")
-    assert 0 < err < TOLERANCE
-
-
-@pytest.mark.slow
-def test_experts_written_per_expert_load_in_a_new_process_once_taught(tmp_path):
-    """transformers 5.17 has no converter from GPT-OSS's per-expert weights (the layout llmcompressor writes too)
-    to its fused experts: a new process loads the checkpoint after `teach_transformers`, not before."""
-    model = make_tiny(str(tmp_path / "gpt_oss"), "gpt_oss", moe=True)
-    out = oneshot(model=model, num_calibration_samples=8, max_seq_length=32, group_size=32,
-                  output_dir=str(tmp_path / "out"))
-    load = ("import sys, transformers; from elastic_oneshot.models.source import teach_transformers\n"
-            "if sys.argv[2] == 'taught': teach_transformers(sys.argv[1])\n"
-            "info = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1], output_loading_info=True)[1]\n"
-            "print('MISSING', len(info['missing_keys']), 'UNEXPECTED', len(info['unexpected_keys']))")
-    found = {how: subprocess.run([sys.executable, "-c", load, out, how], capture_output=True, text=True,
-                                 check=True).stdout.split("\n")[-2] for how in ("plain", "taught")}
-    assert found == {"plain": "MISSING 8 UNEXPECTED 96", "taught": "MISSING 0 UNEXPECTED 0"}
+                 f"{len(dense):2} kept dense  logit error {err:.3f}, round-to-nearest {err_rtn:.3f}; loaded fresh: "
+                 "0 missing, 0 unexpected")
+    assert 0 < err < err_rtn
 
 
 def test_guard_names_what_would_be_missing(tmp_path, monkeypatch):

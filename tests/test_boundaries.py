@@ -157,7 +157,7 @@ def test_killed_after_some_commits_replays_from_the_newest_durable_boundary(ever
     made durable (a bounded replay, never from the embeddings), and only the newest durable ones are kept.
     `auto` is forced to one layer by a tiny --mtbf."""
     out, state = tmp_path / "out", tmp_path / "state"
-    args = ["run", "--model", llama16, "--output", out, "--state", state, "--num-samples", 32, "--seq-len", 128,
+    args = ["run", "--model", llama16, "--output", out, "--state", state, "--num-samples", 32, "--seq-len", 64,
             "--chunk-size", 4, "--group-size", 64, "--boundary-every", every, *(["--mtbf", 1e-6] * (every == "auto"))]
     proc = subprocess.Popen([sys.executable, "-m", "elastic_oneshot", *map(str, args)], env=one_thread_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -11,6 +11,7 @@ import time
 import pytest
 
 from elastic_oneshot.models.source import SourceModel
+from elastic_oneshot.quantization import cholesky
 from elastic_oneshot.quantization.plan import StepKind, layer_groups, make_plan
 from elastic_oneshot.testing.runs import (
     JOB,
@@ -41,23 +42,31 @@ def test_world_sizes_agree_with_one_rank(world, tiny_llama, w1, tmp_path):
     assert_same_bits(out, w1)
 
 
+WIDE = 2048  # cholesky.SHARED_INVERSE_COLS here: the product's 8192 made one job at 8704 columns take minutes
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("intermediate,kinds", [
-    (8704, {StepKind.PANEL, StepKind.UPDATE, StepKind.INVERT, StepKind.SOLVE}),
-    (4096, {StepKind.FACTOR, StepKind.SOLVE})])
-def test_shared_group_spreads_its_inverse_and_rows(intermediate, kinds, tmp_path):
+    (WIDE + 512, {StepKind.PANEL, StepKind.UPDATE, StepKind.INVERT, StepKind.SOLVE}),
+    (WIDE, {StepKind.FACTOR, StepKind.SOLVE})])
+def test_shared_group_spreads_its_inverse_and_rows(intermediate, kinds, tmp_path, monkeypatch):
     """A dominant down_proj is shared: one rank factors it and ranks solve row slices; when it is wide
-    (in_features above cholesky.SHARED_INVERSE_COLS) all ranks also share its Cholesky panels and inverse
-    pieces. Either way the output matches one rank's."""
+    (in_features above cholesky.SHARED_INVERSE_COLS, lowered to WIDE in every process) all ranks also share its
+    Cholesky panels and inverse pieces. Either way the output matches one rank's."""
+    monkeypatch.setattr(cholesky, "SHARED_INVERSE_COLS", WIDE)
+    script = tmp_path / "wide.py"
+    script.write_text(f"import sys\nfrom elastic_oneshot.quantization import cholesky\n"
+                      f"cholesky.SHARED_INVERSE_COLS = {WIDE}\nfrom elastic_oneshot.surface.cli import main\n"
+                      "sys.exit(main())\n")
     model = make_model(str(tmp_path / "wide"), "llama", intermediate_size=intermediate, num_hidden_layers=1)
     source = SourceModel(model)
     steps = make_plan(layer_groups(source.layers[0], ["mlp.down_proj"], source.family.input_key(False)), 3).steps
     assert {s.kind for s in steps} == kinds
     assert all(len({s.rank for s in steps if s.kind == kind}) == 3 for kind in kinds - {StepKind.FACTOR})
     job = ["--num-samples", 12, "--seq-len", 64, "--group-size", 64, "--chunk-size", 4]
-    run_world(1, model, tmp_path / "w1", job)
-    run_world(3, model, tmp_path / "w3", job)
+    run_world(1, model, tmp_path / "w1", job, program=[str(script)])
+    run_world(3, model, tmp_path / "w3", job, program=[str(script)])
     assert_same_bits(tmp_path / "w3", tmp_path / "w1")
 
 
@@ -78,7 +87,7 @@ def deep_llama(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_killed_worker_restarts_and_output_is_identical(deep_llama, tmp_path):
-    job = ["--num-samples", 48, "--seq-len", 256, "--group-size", 64, "--chunk-size", 8]
+    job = ["--num-samples", 48, "--seq-len", 128, "--group-size", 64, "--chunk-size", 8]
     run_world(2, deep_llama, tmp_path / "ref", job)
     out, state = tmp_path / "out", tmp_path / "state"
     cmd = torchrun_cmd(2, "run", "--model", deep_llama, "--output", out, "--state", state, *job, max_restarts=3)

@@ -19,17 +19,17 @@ import pytest
 from elastic_oneshot import oneshot
 from elastic_oneshot.durability.coordinator import open_records
 from elastic_oneshot.durability.protocol import CommitProtocol
-from elastic_oneshot.durability.state import StateStore, read_events
+from elastic_oneshot.durability.state import StateStore, default_root, read_events
 from elastic_oneshot.durability.storage import LocalStorage
 from elastic_oneshot.errors import CorruptStateError
 from elastic_oneshot.loop import read_ahead
 from elastic_oneshot.loop.inputs import LayerInputs
-from elastic_oneshot.loop.runner import COMMITS_BEHIND
+from elastic_oneshot.loop.runner import COMMITS_BEHIND, Runner
 from elastic_oneshot.testing.runs import run_cli, tree_digest
 from elastic_oneshot.testing.tiny import make_model, set_architecture
 
-JOB = dict(num_calibration_samples=48, max_seq_length=256, group_size=64, chunk_size=8)
-CLI_JOB = ["--num-samples", 48, "--seq-len", 256, "--chunk-size", 8, "--group-size", 64]
+JOB = dict(num_calibration_samples=48, max_seq_length=64, group_size=64, chunk_size=8)  # 6 chunks
+CLI_JOB = ["--num-samples", 48, "--seq-len", 64, "--chunk-size", 8, "--group-size", 64]
 
 
 @pytest.fixture(scope="module")
@@ -38,11 +38,36 @@ def deep_llama(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(deep_llama, tmp_path_factory):
-    """An uninterrupted run: the bytes every interrupted or repaired run must reproduce."""
+def uninterrupted(deep_llama, tmp_path_factory):
+    """An uninterrupted run: its output and its state (beside it)."""
     out = str(tmp_path_factory.mktemp("ref") / "out")
     oneshot(model=deep_llama, output_dir=out, **JOB)
-    return tree_digest(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(uninterrupted):
+    """The bytes every interrupted or repaired run must reproduce."""
+    return tree_digest(uninterrupted)
+
+
+def finished_state(every: int):
+    """A module's finished run with boundaries every `every` layers (0: none); each test takes a copy of its state
+    (`state(tmp_path)`) to damage or cut short."""
+    @pytest.fixture(scope="module")
+    def made(deep_llama, tmp_path_factory):
+        root = tmp_path_factory.mktemp(f"every{every}")
+        oneshot(model=deep_llama, output_dir=str(root / "out"), state_dir=str(root / "state"), boundary_every=every,
+                **JOB)
+
+        def copy(tmp_path) -> str:
+            return shutil.copytree(root / "state", tmp_path / "state")
+        return copy
+    return made
+
+
+every_3 = finished_state(3)
+every_0 = finished_state(0)
 
 
 def glob_one(state, pattern: str) -> str:
@@ -69,7 +94,7 @@ def test_kill_9_at_random_moments_then_resume(deep_llama, reference, tmp_path):
         proc = subprocess.Popen(list(map(str, cmd)), stderr=log, stdout=log)
         while committed(state) <= (progress[-1] if progress else 0) and proc.poll() is None:
             time.sleep(0.02)  # let it get past start-up and do some work
-        time.sleep(rng.uniform(0, 0.5))  # about one layer's time
+        time.sleep(rng.uniform(0, 0.2))  # about one layer's time at 48 x 64 tokens
         if proc.poll() is not None:
             break  # finished before we could kill it
         os.kill(proc.pid, signal.SIGKILL)
@@ -99,16 +124,14 @@ def damage(path: str, truncate: bool = False):
 
 
 @pytest.mark.slow
-def test_damaged_files_are_redone_or_replayed_around(deep_llama, reference, tmp_path, caplog):
-    out, state = str(tmp_path / "out"), str(tmp_path / "state")
-    oneshot(model=deep_llama, output_dir=out, state_dir=state, boundary_every=3, **JOB)
+def test_damaged_files_are_redone_or_replayed_around(deep_llama, reference, every_3, tmp_path, caplog):
+    out, state = str(tmp_path / "out"), every_3(tmp_path)
     assert sorted(os.listdir(os.path.join(state, "boundaries"))) == ["00003", "00006"]
 
     # A damaged boundary: the newest durable one below the layer to redo is replayed around.
     chunk = glob_one(state, "boundaries/00006/e00001.*/chunk-00002.safetensors")
     damage(os.path.join(state, chunk), truncate=True)
     os.remove(os.path.join(state, "commits/00007.e00001.json"))
-    shutil.rmtree(out)
     with caplog.at_level(logging.INFO, logger="elastic_oneshot"):
         oneshot(model=deep_llama, output_dir=out, state_dir=state, boundary_every=3, **JOB)
     text = caplog.text
@@ -169,15 +192,23 @@ def test_a_record_damaged_before_its_commit_is_redone(part, deep_llama, referenc
 
 def test_commits_land_in_layer_order_while_the_next_layer_computes(deep_llama, reference, tmp_path, monkeypatch):
     """Commits are written behind: layer 3 computes while layer 2's files upload, and when layer 2's upload is
-    the slowest of the run, layer 3's commit still waits for layer 2's."""
-    write_solved, state = CommitProtocol.write_solved, str(tmp_path / "state")
+    the slowest of the run (it ends a second after layer 2's commit has begun, however long layer 3 took), layer
+    3's commit still waits for layer 2's."""
+    write_solved, commit, state = CommitProtocol.write_solved, Runner.commit, str(tmp_path / "state")
+    committing = {layer: threading.Event() for layer in range(8)}
 
     def slow_layer_2(self, layer, *args):
         if layer == 2:
+            assert committing[2].wait(120)
             time.sleep(1.0)
         return write_solved(self, layer, *args)
 
+    def begun(self, c):
+        committing[c.layer].set()
+        return commit(self, c)
+
     monkeypatch.setattr(CommitProtocol, "write_solved", slow_layer_2)
+    monkeypatch.setattr(Runner, "commit", begun)
     oneshot(model=deep_llama, output_dir=str(tmp_path / "out"), state_dir=state, **JOB)
     events = [e for e in read_events(state) if e["event"] in ("layer", "commit")]
     commits = [e["layer"] for e in events if e["event"] == "commit"]
@@ -189,14 +220,13 @@ def test_commits_land_in_layer_order_while_the_next_layer_computes(deep_llama, r
     assert tree_digest(str(tmp_path / "out")) == reference
 
 
-def test_layers_redone_apart_replay_through_the_one_committed_first(deep_llama, reference, tmp_path, caplog):
+def test_layers_redone_apart_replay_through_the_one_committed_first(deep_llama, reference, every_0, tmp_path,
+                                                                   caplog):
     """Layers 2 and 5 to redo in one epoch, no boundary: layer 5's inputs are replayed from the embeddings through
     layer 2, which must be committed first (found by the chaos run: it was still computed-but-not-committed)."""
-    out, state = str(tmp_path / "out"), str(tmp_path / "state")
-    oneshot(model=deep_llama, output_dir=out, state_dir=state, boundary_every=0, **JOB)
+    out, state = str(tmp_path / "out"), every_0(tmp_path)
     for layer in (2, 5):
         os.remove(os.path.join(state, f"commits/0000{layer}.e00001.json"))
-    shutil.rmtree(out)
     with caplog.at_level(logging.INFO, logger="elastic_oneshot"):
         oneshot(model=deep_llama, output_dir=out, state_dir=state, boundary_every=0, **JOB)
     assert re.findall(r"layer (\d+/\d+) committed", caplog.text) == ["3/8", "6/8"]
@@ -205,15 +235,13 @@ def test_layers_redone_apart_replay_through_the_one_committed_first(deep_llama, 
 
 
 @pytest.mark.parametrize("max_memory, chunk_major", [(None, True), (1, False)])
-def test_a_replay_takes_each_chunk_through_the_layers_as_it_arrives(deep_llama, reference, tmp_path, monkeypatch,
-                                                                    max_memory, chunk_major):
+def test_a_replay_takes_each_chunk_through_the_layers_as_it_arrives(deep_llama, reference, every_0, tmp_path,
+                                                                    monkeypatch, max_memory, chunk_major):
     """A replay runs each chunk through every replayed layer that half the memory budget holds at once, as soon as
     the chunk is there (its compute hides behind a boundary's download); with no room for two, layer by layer. The
     same bits either way."""
-    out, state = str(tmp_path / "out"), str(tmp_path / "state")
-    oneshot(model=deep_llama, output_dir=out, state_dir=state, boundary_every=0, **JOB)
+    out, state = str(tmp_path / "out"), every_0(tmp_path)
     os.remove(os.path.join(state, "commits/00005.e00001.json"))
-    shutil.rmtree(out)
     calls, forward = [], LayerInputs.forward
 
     def recorded(self, module, layer, x):
@@ -227,14 +255,13 @@ def test_a_replay_takes_each_chunk_through_the_layers_as_it_arrives(deep_llama, 
     assert tree_digest(out) == reference
 
 
-def test_a_restart_reads_its_boundary_ahead_while_the_epoch_is_set_up(deep_llama, reference, tmp_path, monkeypatch):
+def test_a_restart_reads_its_boundary_ahead_while_the_epoch_is_set_up(deep_llama, reference, every_3, tmp_path,
+                                                                      monkeypatch):
     """The boundary a restart replays from is read on the I/O thread from the epoch's start, before the first
     layer to redo begins, and the replay runs on what arrives: the same bits. That layer's solved work is read
     first (behind a boundary on a slow link, small reads wait seconds), and once."""
-    out, state = str(tmp_path / "out"), str(tmp_path / "state")
-    oneshot(model=deep_llama, output_dir=out, state_dir=state, boundary_every=3, **JOB)
+    out, state = str(tmp_path / "out"), every_3(tmp_path)
     os.remove(os.path.join(state, "commits/00007.e00001.json"))  # layer 7's solved records remain
-    shutil.rmtree(out)
     reads, read_bytes = [], StateStore.read_bytes
 
     def recorded(self, record):
@@ -254,15 +281,14 @@ def test_a_restart_reads_its_boundary_ahead_while_the_epoch_is_set_up(deep_llama
     assert tree_digest(out) == reference
 
 
-def test_a_restarted_process_reads_ahead_what_it_replays(deep_llama, reference, tmp_path, monkeypatch, caplog):
+def test_a_restarted_process_reads_ahead_what_it_replays(deep_llama, reference, every_3, tmp_path, monkeypatch,
+                                                         caplog):
     """From the records alone, before the job is set up, a restarting process guesses what it replays first (the
     weights of the layers after the boundary, then its own chunks of the boundary) and reads it ahead, while it
     imports: the run takes those bytes, each file read once, and gives the same bits. The run itself reads each
     commit once (on an object store, a restart read every commit several times over, one request at a time)."""
-    out, state = str(tmp_path / "out"), str(tmp_path / "state")
-    oneshot(model=deep_llama, output_dir=out, state_dir=state, boundary_every=3, **JOB)
+    out, state = str(tmp_path / "out"), every_3(tmp_path)
     os.remove(os.path.join(state, "commits/00007.e00001.json"))
-    shutil.rmtree(out)
     store = StateStore(state)
     records = open_records(store)
     protocol = CommitProtocol(store, records, records.committed())
@@ -338,11 +364,9 @@ def test_sigterm_commits_every_computed_layer_then_stops(deep_llama, reference, 
 
 
 @pytest.fixture(scope="module")
-def committed_state(deep_llama, tmp_path_factory):
-    """A state with committed layers, which no bad input may touch."""
-    root = tmp_path_factory.mktemp("committed")
-    oneshot(model=deep_llama, output_dir=str(root / "out"), state_dir=str(root / "state"), **JOB)
-    return str(root / "state")
+def committed_state(uninterrupted):
+    """A state with committed layers, which no bad input may touch: the uninterrupted run's."""
+    return default_root(uninterrupted)
 
 
 def bad_inputs(tmp, deep_llama):

@@ -70,7 +70,11 @@ def test_one_preemption_by_hand():
     start-up the replay from the embeddings through layers 0 and 1 (1 s load + 0.5 s propagation each) precedes
     layer 2."""
     tl = F.timeline(model(), FLEET, 1)
-    assert tl.interval[0] == 3 and tl.write_s == pytest.approx(0.016)  # no boundary durable but the embeddings'
+    # A boundary is every token's hidden state: samples x seq_len x hidden x itemsize bytes at the storage's rate;
+    # boundaries every Young and Daly's interval: sqrt(2 x write x mean time between preemptions) / the layer's 3.5 s
+    write_s = FLEET.samples * FLEET.seq_len * 1000 * 2 / (FLEET.storage_gbps * 1e9)
+    interval = round(math.sqrt(2 * write_s * FLEET.mtbp_hours * 3600) / 3.5)
+    assert tl.write_s == pytest.approx(write_s) and tl.interval[0] == interval == 3  # none durable but the embeddings'
     wall, paid = P.trial({1: tl}, 1, 1, REPLACEMENT_S, _drawn(40.0, 1e12))
     resumed = 40 + 300 + P.RENDEZVOUS_S + F.STARTUP_S + 2 * 1.5
     assert wall == pytest.approx(resumed + 8 * 3.5 + 10.5)
@@ -123,15 +127,34 @@ def test_restart_constants_are_the_launchers():
 
 
 def test_a_tiny_moe_layers_work_by_hand(tiny_moe):
-    """Qwen3-MoE, hidden 128, 16 experts of 128, 4 routed (the router is no Linear): q/o 128x128, k/v 128x64."""
-    for all_experts, calibrate, hessian in ((True, 1277952, 311296), (False, 491520, 163840)):
+    """Qwen3-MoE (tiny_moe's config): flops per token of each Linear (2 x in x out), calibrated on every token or on
+    the routed share (top_k of the experts); Hessians of cols^2 per group of modules that read one input; int4
+    codes and one bf16 scale per row and group of 128 columns. The router is no Linear."""
+    import transformers
+
+    c = transformers.AutoConfig.from_pretrained(tiny_moe)
+    hidden, q, kv, inter = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, \
+        c.moe_intermediate_size
+    experts, routed = c.num_experts, c.num_experts_per_tok / c.num_experts
+    attention = 2 * hidden * (q + 2 * kv) + 2 * q * hidden  # q, k, v; o
+    gate_up, down = 2 * 2 * hidden * inter, 2 * inter * hidden  # one expert's
+    hessians = hidden**2 + q**2  # q, k and v share one; o its own
+    every = (attention + experts * (gate_up + routed * down),  # every expert's gate and up see every token:
+             hessians + hidden**2 + experts * inter**2)  # one Hessian for all of them, and one per down_proj
+    only_routed = (attention + experts * routed * (gate_up + down),
+                   hessians + experts * routed * (hidden**2 + inter**2))
+
+    def packed(cols, rows):
+        return rows * cols // 2 + rows * math.ceil(cols / 128) * 2
+
+    for all_experts, (calibrate, hessian) in ((True, every), (False, only_routed)):
         work = F.model_work(tiny_moe, Recipe(ignore=("lm_head",)), all_experts)
         w = work.layers[0]
-        assert work.layers[0] is work.layers[2] and (work.hidden, work.itemsize) == (128, 4)
-        attention, expert = 2 * (2 * 128 * 128 + 2 * 128 * 64), 2 * 3 * 128 * 128
-        assert w.propagate_flops == attention + 16 * expert * 4 / 16 == 491520
-        assert (w.calibrate_flops, w.hessian_flops, w.expert_calls) == (calibrate, hessian, 16)
-        assert w.compressed_bytes == 2 * (8192 + 256) + 2 * (4096 + 128) + 16 * 3 * (8192 + 256)  # int4, bf16 scales
+        assert work.layers[0] is work.layers[2] and (work.hidden, work.itemsize) == (hidden, 4)
+        assert w.propagate_flops == only_routed[0]
+        assert (w.calibrate_flops, w.hessian_flops, w.expert_calls) == (calibrate, hessian, experts)
+        assert w.compressed_bytes == packed(hidden, q) + 2 * packed(hidden, kv) + packed(q, hidden) + \
+            experts * (2 * packed(hidden, inter) + packed(inter, hidden))
 
 
 def test_plan_fleet_on_the_command_line(tmp_path, tiny_moe, capsys):

@@ -46,16 +46,17 @@ def test_matches_llmcompressor(symmetric, actorder, group_size):
 
 
 def test_shared_hessian_rows_stack():
-    """Modules sharing a Hessian give the same result solved together as solved apart."""
+    """Modules sharing a Hessian give the same bits solved together as solved apart, and as rows sliced across
+    owners (rows are independent given the Hessian's factor: what makes every world size give the same bits)."""
     args = QuantizationArgs(num_bits=4, group_size=64, actorder="static", observer="memoryless_minmax")
     w, h = problem(rows=64)
     together, _, prep = gptq.quantize(w, h, args)
     apart = torch.cat([gptq.quantize(w[:40], h, args)[0], gptq.quantize(w[40:], h, args)[0]])
-    assert (together == apart).float().mean() > 0.999
+    assert torch.equal(together, apart)
     shared = gptq.Prepared.unpack(*prep.pack())  # as a slice owner receives it
     sliced = torch.cat([gptq.solve(w[None, :32], shared, args)[0],
                         gptq.solve(w[None, 32:], shared, args)[0]])
-    assert (together == sliced).float().mean() > 0.999
+    assert torch.equal(together, sliced)
 
 
 def test_indefinite_hessian_retries_damping_then_falls_back():
@@ -97,9 +98,13 @@ def test_rows_solved_in_passes_equal_one_pass(symmetric, monkeypatch):
 
 
 @pytest.mark.slow
-def test_wide_hessian_inverse_in_pieces():
+def test_wide_hessian_inverse_in_pieces(monkeypatch):
     """Above SHARED_INVERSE_COLS the inverse comes from one (fp64) Cholesky and pieces of a triangular
-    inverse that ranks can share: its codes equal an fp64 reference's; the peer's fp32 steps drift."""
+    inverse that ranks can share: its codes equal an fp64 reference's. The threshold is lowered to 2048 columns
+    (10 Cholesky panels, 5 inverse pieces): the pieces are the same code at any width, and at the product's 8704
+    columns the fp64 reference alone took minutes (there the peer's fp32 steps drift: 98.4 % of its codes agree,
+    at one thread)."""
+    monkeypatch.setattr(cholesky, "SHARED_INVERSE_COLS", 2048)
     args = QuantizationArgs(num_bits=4, group_size=128, actorder="static", observer="memoryless_minmax")
     cols = cholesky.SHARED_INVERSE_COLS + 512
     w, h = problem(rows=16, cols=cols, dead=(5,))

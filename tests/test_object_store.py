@@ -3,6 +3,7 @@
 
 import contextlib
 import json
+import logging
 import os
 import random
 import signal
@@ -358,18 +359,23 @@ def test_chaos_campaign_with_the_state_on_the_server(s3, tmp_path):
     assert "4 faults, invariants hold" in proc.stdout
 
 
-def scan(url: str, secrets: list[str]) -> int:
+def leaks(secret: str) -> list[bytes]:
+    """Every 8 characters in a row of `secret`: any of them found counts as the secret found."""
+    return [secret[i:i + 8].encode() for i in range(len(secret) - 7)]
+
+
+def scan(url: str, secrets: list[bytes]) -> int:
     """How many objects under `url` were read; AssertionError if one holds any of `secrets`."""
     store = ObjectStorage(url)
     paths = [o["path"] for batch in obstore.list(store.store) for o in batch]
     for path in paths:
         data = store.get(path)
-        assert not any(s.encode() in data for s in secrets), f"{path} holds a credential"
+        assert not any(s in data for s in secrets), f"{path} holds a credential"
     return len(paths)
 
 
 @pytest.fixture
-def aws_home(s3, tmp_path, monkeypatch):
+def aws_home(tmp_path, monkeypatch):
     """A server that checks signatures, and a HOME whose ~/.aws files alone say how to reach it: profile 'eo'
     with its keys, region and endpoint; nothing in the environment but AWS_PROFILE (and AWS_ALLOW_HTTP)."""
     with S3Server(BUCKET, auth=True) as server:
@@ -386,20 +392,36 @@ def aws_home(s3, tmp_path, monkeypatch):
                 monkeypatch.delenv(name)
         monkeypatch.setenv("HOME", str(tmp_path))
         monkeypatch.setenv("AWS_PROFILE", "eo")
-        yield key, secret
+        yield key, secret, server.log.name
 
 
 @pytest.mark.slow
 @pytest.mark.s3
-@pytest.mark.xfail(reason="moto 5.2.1's server checks a signature against the query as it decoded it (prefix=p/, where "
-                          "clients sign prefix=p%2F): with signatures checked, it refuses every LIST under a prefix "
-                          "(SignatureDoesNotMatch, from boto3 as from obstore; getmoto/moto#5948)", strict=False)
-def test_credentials_from_a_profile_file_never_reach_the_state(aws_home, llama4, reference, tmp_path, monkeypatch):
-    key, secret = aws_home
+def test_credentials_from_a_profile_file_never_reach_the_state(aws_home, llama4, reference, tmp_path, monkeypatch,
+                                                                caplog, capfd):
+    """The profile file's keys sign every request of the run: the server checks each signature, and its log shows
+    the profile's access key in each request's Authorization header. Nothing of the secret (no 8 characters of it
+    in a row) is in the state (its events included), the output, the run's logs or what it printed."""
+    key, secret, server_log = aws_home
+    caplog.set_level(logging.DEBUG, "elastic_oneshot")
+    with open(server_log) as f:
+        before = len(f.readlines())  # the bucket, and the access key issued
     url, out = f"s3://{BUCKET}/profile", str(tmp_path / "out")
     oneshot(model=llama4, output_dir=out, state_dir=url, **JOB)
     assert tree_digest(out) == reference
-    assert scan(url, [key, secret]) > 10
+    with open(server_log) as f:
+        requests = [line for line in f.readlines()[before:] if " Authorization: " in line]
+    unsigned = [r for r in requests if f"Authorization: AWS4-HMAC-SHA256 Credential={key}/" not in r]
+    assert len(requests) > 20 and not unsigned, unsigned
+    secret_pieces = leaks(secret)
+    assert scan(url, [key.encode(), *secret_pieces]) > 10
+    written = [os.path.join(d, f) for d, _, files in os.walk(out) for f in files]
+    for path in written:
+        with open(path, "rb") as f:
+            data = f.read()
+        assert not any(s in data for s in secret_pieces), f"{path} holds the secret"
+    printed = capfd.readouterr()
+    assert caplog.records and not any(s.decode() in caplog.text + printed.out + printed.err for s in secret_pieces)
     monkeypatch.setenv("AWS_PROFILE", "default")  # the server checks signatures: the wrong key is refused
     with pytest.raises(StorageError, match="403 Forbidden"):
         ObjectStorage(url).put("x.json", b"{}")

@@ -46,8 +46,8 @@ TYPES = [("gemma4_text", False), ("gemma4_text", True), ("deepseek_v4", True), (
 # Routed expert projections where not 2 layers x 4 experts x 3: Gemma 4's tiny model has four layers.
 ROUTED = {("gemma4_text", True): 4 * 4 * 3}
 # Missing in a fresh interpreter: the fused experts, which transformers 5.17 loads from per-expert weights only once
-# taught (Gemma 4's and GraniteMoeShared's checkpoints store them fused). Issue 42 decides how a checkpoint of such
-# types loads as a user loads it; these join whatever it lands.
+# taught (Gemma 4's and GraniteMoeShared's checkpoints store them fused): the checkpoint's README.md says to call
+# elastic_oneshot.teach_transformers(path) first, as for GPT-OSS and GraniteMoE.
 FRESH_FUSED = {("gemma4_text", True), ("granitemoeshared", True)}
 SAMPLES, SEQ, GROUP = 16, 64, 32
 
@@ -59,8 +59,8 @@ import torch, transformers
 from safetensors.torch import load_file, save_file
 out, ids_file, logits_file, teach = sys.argv[1:5]
 if teach == "teach":
-    from elastic_oneshot.models.source import teach_transformers
-    teach_transformers(out)
+    import elastic_oneshot
+    elastic_oneshot.teach_transformers(out)
 model, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True,
                                                                 attn_implementation="eager")
 ids = load_file(ids_file)["ids"]
@@ -170,7 +170,8 @@ def test_compressed_beats_round_to_nearest_and_loads_in_a_fresh_interpreter(mode
     fused = sorted(f"{n}.{p}" for n, m in source.skeleton.named_modules() if isinstance(m, Experts)
                    for p in m.layout.fused) if (model_type, moe) in FRESH_FUSED else []
     assert info["missing"] == fused and (fused or not info["unexpected"]), info
-    if fused:  # its logits as transformers gives them once taught
+    if fused:  # its logits as transformers gives them once taught, as the checkpoint's README says
+        assert "elastic_oneshot.teach_transformers(path)" in open(os.path.join(out, "README.md")).read()
         info, logits = fresh_load(out, ids, tmp_path, teach=True)
         assert info["missing"] == info["unexpected"] == [], info
 

@@ -1,15 +1,21 @@
 """The guard against silent corruption: a written checkpoint has every Linear of the source quantized or listed in
-`ignore`, and transformers loads it with nothing missing and nothing unexpected.
+`ignore`, and transformers loads it with nothing missing and nothing unexpected, as a new process loads it.
 
 Checked from the shards' headers and the model that transformers' loader builds for the written config (on the
 meta device, its quantization applied, its checkpoint conversions renaming the written names), without reading
-a weight: an export that would load with uninitialized modules fails instead of exiting 0.
+a weight: an export that would load with uninitialized modules fails instead of exiting 0. The one change this
+process made to transformers is the conversions `Family.teach_loader` registered, for types whose experts are stored
+fused (GPT-OSS, the Granite MoEs, Gemma 4 MoE): compressed-tensors quantizes Linear modules, so their quantized
+experts are written one by one, and transformers has no converter from those to its fused experts. A new process
+loads such a checkpoint after `elastic_oneshot.teach_transformers(path)`, and only then: the guard says so in the
+log and in the checkpoint's README.md (tests/test_architectures.py loads every type in a new process).
 """
 
 import contextlib
 import functools
 import io
 import json
+import logging
 import os
 import types
 from collections.abc import Callable
@@ -26,6 +32,8 @@ from elastic_oneshot.models import stored_names
 from elastic_oneshot.models.family import family_for
 from elastic_oneshot.models.source import SourceModel, _read_header
 
+log = logging.getLogger("elastic_oneshot")
+
 
 def check_loadable(directory: str, source: SourceModel, quantization: QuantizationConfig,
                    trust_remote_code: bool = False):
@@ -36,6 +44,9 @@ def check_loadable(directory: str, source: SourceModel, quantization: Quantizati
             written.update(json.loads(_read_header(os.path.join(directory, fname))))
     written.discard("__metadata__")
     check_names(directory, source, written, quantization, functools.partial(_fail, directory), trust_remote_code)
+    if stored_names.taught(source.skeleton.config.model_type):
+        _say_how_to_load(directory, source.skeleton.config.model_type, family_for(source.config).auto_class(
+            source.config).__name__)
 
 
 def check_names(directory: str, source: SourceModel, names: set[str], quantization: QuantizationConfig,
@@ -93,6 +104,25 @@ def _load_keys(model, quantizer, names: set[str]) -> tuple[list[str], list[str]]
         unexpected_keys=loaded - expected.keys())
     model._adjust_missing_and_unexpected_keys(info)  # the model's own exceptions, as the loader applies them
     return sorted(info.missing_keys), sorted(info.unexpected_keys)
+
+
+def _say_how_to_load(directory: str, model_type: str, auto_class: str):
+    """A checkpoint that transformers loads only once taught: how, in its README.md (after the model card the
+    source had, if any) and in the log."""
+    how = ("import elastic_oneshot, transformers\n"
+           "elastic_oneshot.teach_transformers(path)  # path: this directory\n"
+           f"model = transformers.{auto_class}.from_pretrained(path)\n")
+    readme = os.path.join(directory, "README.md")
+    after = "\n" if os.path.exists(readme) else ""  # the source's model card, copied
+    with open(readme, "a") as f:
+        f.write(f"{after}## Loading this checkpoint in transformers\n\nThe experts of `{model_type}` are written one "
+                f"by one (compressed-tensors quantizes Linear modules), and transformers {transformers.__version__} "
+                "has no converter from those to its fused experts: loaded as it is, the experts would be missing "
+                "(randomly initialized) and every expert tensor unexpected. In the process that loads it, teach "
+                f"transformers first (with elastic-oneshot installed):\n\n```python\n{how}```\n")
+    log.warning("transformers loads this %s checkpoint only once taught, in the process that loads it: "
+                "elastic_oneshot.teach_transformers(path) before %s.from_pretrained(path) (its README.md says so)",
+                model_type, auto_class)
 
 
 def _fail(directory: str, what: str, names: list[str]):

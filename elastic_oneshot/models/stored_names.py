@@ -119,6 +119,12 @@ def fused_in_checkpoint(skeleton: torch.nn.Module, checkpoint_names) -> dict[str
 _taught: set[str] = set()
 
 
+def taught(model_type: str) -> bool:
+    """Whether `teach_loader` taught transformers to load this type's per-expert weights: a new process loads a
+    checkpoint of it only after elastic_oneshot.teach_transformers."""
+    return model_type in _taught
+
+
 def teach_loader(skeleton: torch.nn.Module, experts: Experts):
     """Let transformers load per-expert weights (quantized or not) into the fused experts of `skeleton`'s type,
     where its own conversion mapping has no converter for them: the type's mapping plus one converter per fused

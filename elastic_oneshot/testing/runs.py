@@ -1,10 +1,15 @@
 """Running jobs the way users do (a fresh interpreter, or torchrun) and comparing what they wrote: shared by the
 tests and the chaos harness."""
 
+import atexit
 import hashlib
+import json
 import os
+import re
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import psutil
 import torch
@@ -13,24 +18,27 @@ from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_in
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-TOLERANCE = 0.6  # relative L2 error of the logits, 4-bit weights in groups of 32 on random weights
 JOB = ["--num-samples", 32, "--seq-len", 128, "--group-size", 64, "--chunk-size", 4]  # a quick job on tiny Llama
+# The architecture sweep's job (tests/test_architectures.py): enough calibration tokens that GPTQ's Hessians describe
+# held-out text (at 8 x 32, a quarter of the types did no better than round-to-nearest on it)
+SWEEP = dict(num_calibration_samples=32, max_seq_length=64, group_size=32, chunk_size=8)
 
 
-def run_cli(*args, check=True, **kwargs) -> subprocess.CompletedProcess:
+CLI = ("-m", "elastic_oneshot")  # what the interpreter runs: the command line (or a script that patches it first)
+
+
+def run_cli(*args, check=True, program=CLI, **kwargs) -> subprocess.CompletedProcess:
     """`elastic-oneshot ARGS` in a fresh interpreter."""
-    proc = subprocess.run([sys.executable, "-m", "elastic_oneshot", *map(str, args)],
-                          capture_output=True, text=True, **kwargs)
+    proc = subprocess.run([sys.executable, *program, *map(str, args)], capture_output=True, text=True, **kwargs)
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}\n{proc.stderr[-3000:]}")
     return proc
 
 
-def torchrun_cmd(nproc: int, *args, max_restarts: int = 0, extra=()) -> list[str]:
+def torchrun_cmd(nproc: int, *args, max_restarts: int = 0, extra=(), program=CLI) -> list[str]:
     """A single-node torchrun of `elastic-oneshot ARGS` (python -m torch.distributed.run is torchrun)."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            f"--max-restarts={max_restarts}", "--monitor-interval=0.2", *extra, "-m", "elastic_oneshot",
-            *map(str, args)]
+            f"--max-restarts={max_restarts}", "--monitor-interval=0.2", *extra, *program, *map(str, args)]
 
 
 def one_thread_env() -> dict:
@@ -40,12 +48,13 @@ def one_thread_env() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
-def run_world(world: int, model, out, job=JOB, **kw):
+def run_world(world: int, model, out, job=JOB, program=CLI, **kw):
     """The job at `world` ranks of one thread each (one process without torchrun at 1)."""
     args = ["run", "--model", model, "--output", out, *job]
     if world == 1:
-        return run_cli(*args, env=one_thread_env())
-    proc = subprocess.run(torchrun_cmd(world, *args, **kw), capture_output=True, text=True, env=one_thread_env())
+        return run_cli(*args, env=one_thread_env(), program=program)
+    proc = subprocess.run(torchrun_cmd(world, *args, program=program, **kw), capture_output=True, text=True,
+                          env=one_thread_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
@@ -103,16 +112,201 @@ def packed_modules(checkpoint: str) -> set[str]:
         return {k.removesuffix(".weight_packed") for k in f.keys() if k.endswith(".weight_packed")}
 
 
-def check_compressed(model: str, out: str, auto_class=None) -> float:
-    """The sweep's checks of a checkpoint compressed from `model` (tests/test_architectures.py): transformers loads
-    it (as `auto_class`, a causal LM by default) with nothing missing or unexpected, and it generates. Returns the
-    relative error of its logits against the original's, for the caller's tolerance."""
-    auto_class = auto_class or transformers.AutoModelForCausalLM
-    quantized, info = auto_class.from_pretrained(out, output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"], info
-    original = auto_class.from_pretrained(model)
-    ids = torch.randint(3, 300, (2, 24), generator=torch.Generator().manual_seed(0))
+def assert_solved(out: str, quantized: set[str]):
+    """GPTQ everywhere in the run that wrote `out` (its state beside it): as many modules solved in its commits as
+    `quantized`, and none fell back to round-to-nearest (`damping: null`), as a layer calibrated on garbage (an
+    unbuilt buffer) would."""
+    from elastic_oneshot.durability.records import FileRecords
+    from elastic_oneshot.durability.state import StateStore, default_root
+
+    records = FileRecords(StateStore(default_root(out)))
+    damping = {f"{layer}.{name}": module["damping"] for layer, epoch in sorted(records.committed().items())
+               for name, module in records.manifest(layer, epoch)["modules"].items()}
+    assert len(damping) == len(quantized), (len(damping), len(quantized))
+    assert not [m for m, d in damping.items() if d is None], damping
+
+
+# Run by `check_compressed` in an interpreter that never imported elastic_oneshot, as a user loads a checkpoint (but
+# where the checkpoint's README says to call teach_transformers first: the plain load is recorded before that). One
+# JSON request a line on stdin, one answer a line on stdout after ANSWER.
+LOAD = """
+import json, runpy, sys, traceback
+import torch, transformers
+
+def load(auto, path):
+    model, info = auto.from_pretrained(path, dtype=torch.float32, output_loading_info=True)
+    return model.eval(), {k: sorted(info[k]) for k in ("missing_keys", "unexpected_keys")}
+
+def check(spec):
+    if spec["prelude"]:
+        runpy.run_path(spec["prelude"])
+    auto, ids, found = getattr(transformers, spec["auto_class"]), torch.tensor(spec["ids"]), {}
+    if spec["teach"]:
+        found["untaught"] = load(auto, spec["gptq"])[1]
+        import elastic_oneshot
+        elastic_oneshot.teach_transformers(spec["gptq"])
+    found["elastic_oneshot imported"] = "elastic_oneshot" in sys.modules
     with torch.no_grad():
-        lo, lq = original(input_ids=ids).logits, quantized(input_ids=ids).logits
-    assert quantized.generate(input_ids=ids[:1, :4], max_new_tokens=3, do_sample=False).shape == (1, 7)
-    return (torch.linalg.norm(lq - lo) / torch.linalg.norm(lo)).item()
+        reference = load(auto, spec["model"])[0](input_ids=ids).logits
+        for how in ("rtn", "gptq"):
+            model, found[how] = load(auto, spec[how])
+            found[how]["error"] = (torch.linalg.norm(model(input_ids=ids).logits - reference)
+                                   / torch.linalg.norm(reference)).item()
+        found["generated"] = list(model.generate(input_ids=ids[:1, :4], min_new_tokens=3, max_new_tokens=3,
+                                                 do_sample=False).shape)
+    return found
+
+for line in sys.stdin:
+    try:
+        found = check(json.loads(line))
+    except Exception:
+        found = {"error": traceback.format_exc()}
+    print("ANSWER", json.dumps(found), flush=True)
+"""
+
+
+class FreshLoader:
+    """Answers LOAD's requests in an interpreter that has never imported elastic_oneshot: one kept for the
+    requests that change nothing in it (its imports, torch, transformers and compressed-tensors, cost more than
+    the loads), and one of their own for those that teach transformers or register an architecture."""
+
+    def __init__(self):
+        self.proc, self.log = None, None
+
+    def check(self, spec: dict) -> dict:
+        if spec["teach"] or spec["prelude"]:
+            proc = subprocess.run([sys.executable, "-c", LOAD], input=json.dumps(spec) + "\n", capture_output=True,
+                                  text=True)
+            return self._answer(proc.stdout.splitlines(), proc.stderr)
+        if self.proc is None or self.proc.poll() is not None:
+            self.log = tempfile.TemporaryFile("w+")
+            self.proc = subprocess.Popen([sys.executable, "-c", LOAD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=self.log, text=True)
+        self.proc.stdin.write(json.dumps(spec) + "\n")
+        self.proc.stdin.flush()
+        lines = []
+        while not (lines and lines[-1].startswith("ANSWER ")) and (line := self.proc.stdout.readline()):
+            lines.append(line)
+        self.log.seek(0)
+        return self._answer(lines, self.log.read())
+
+    def close(self):
+        """End the kept interpreter (its stdin closed, it returns) and its log."""
+        if self.proc is not None:
+            self.proc.stdin.close()
+            self.proc.wait()
+            self.proc.stdout.close()
+            self.log.close()
+            self.proc = None
+
+    @staticmethod
+    def _answer(lines: list[str], stderr: str) -> dict:
+        answers = [line for line in lines if line.startswith("ANSWER ")]
+        assert answers, f"the loader gave no answer:\n{stderr[-3000:]}"
+        found = json.loads(answers[-1].removeprefix("ANSWER "))
+        assert "error" not in found, found.get("error")
+        return found
+
+
+_loader = FreshLoader()
+atexit.register(_loader.close)
+
+
+def _scheme(out: str):
+    """The one scheme of the W4 checkpoint `out` (symmetric pack-quantized, as the sweep writes)."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    with open(os.path.join(out, "config.json")) as f:
+        quantization = json.load(f)["quantization_config"]
+    (group,) = quantization["config_groups"].values()
+    assert quantization["format"] == "pack-quantized" and group["weights"]["symmetric"], quantization
+    return QuantizationScheme(targets=group["targets"], weights=QuantizationArgs(**group["weights"]))
+
+
+def write_rtn(model: str, out: str, to: str) -> str:
+    """The W4 checkpoint `out` (compressed from `model`) with every quantized weight rounded to nearest instead of
+    solved: the original weight quantized with the scales `out` holds (the same qparams: the min-max observer
+    computes them from the original weight, before GPTQ), packed by compressed-tensors' own compressor."""
+    from compressed_tensors.compressors import PackedQuantizationCompressor
+    from safetensors.torch import save_file
+
+    from elastic_oneshot.models.source import SourceModel
+
+    scheme = _scheme(out)
+    shutil.copytree(out, to)
+    path = os.path.join(to, "model.safetensors")
+    with safe_open(path, "pt") as f:
+        metadata = f.metadata()
+    tensors = load_file(path)
+    modules = [k.removesuffix(".weight_packed") for k in tensors if k.endswith(".weight_packed")]
+    original = SourceModel(model).read_stored([f"{m}.weight" for m in modules])
+    for m in modules:
+        rounded = PackedQuantizationCompressor.compress(
+            {"weight": original[f"{m}.weight"], "weight_scale": tensors[f"{m}.weight_scale"]}, scheme)
+        assert rounded["weight_packed"].shape == tensors[f"{m}.weight_packed"].shape
+        tensors[f"{m}.weight_packed"] = rounded["weight_packed"]
+    save_file(tensors, path, metadata)
+    return to
+
+
+def module_errors(model: str, out: str, rtn: str, ids: torch.Tensor) -> dict[str, tuple[float, float]]:
+    """Each quantized Linear's relative output error on `ids` (its inputs from the original model, which names its
+    modules as the checkpoint does), with the weights of `out` and of its round-to-nearest twin `rtn`: what GPTQ
+    minimizes, module by module."""
+    from compressed_tensors.compressors import PackedQuantizationCompressor
+
+    scheme, original = _scheme(out), transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    tensors = {path: load_file(os.path.join(path, "model.safetensors")) for path in (out, rtn)}
+    names = [k.removesuffix(".weight_packed") for k in tensors[out] if k.endswith(".weight_packed")]
+    inputs = {}
+    hooks = [original.get_submodule(n).register_forward_pre_hook(lambda m, a, n=n: inputs.setdefault(n, a[0]))
+             for n in names]
+    with torch.no_grad():
+        original(input_ids=ids)
+    for hook in hooks:
+        hook.remove()
+    errors = {}
+    for n in names:
+        x = inputs[n]
+        y = x @ original.get_submodule(n).weight.T
+        weights = [PackedQuantizationCompressor.decompress({k.removeprefix(f"{n}."): v for k, v in t.items()
+                                                            if k.startswith(f"{n}.")}, scheme)["weight"]
+                   for t in tensors.values()]
+        errors[n] = tuple((torch.linalg.norm(x @ w.T - y) / torch.linalg.norm(y)).item() for w in weights)
+    return errors
+
+
+def heldout(model: str) -> torch.Tensor:
+    """The sweep's tokens for comparing logits: 8 x 64 of held-out text (blocks calibration never draws from)."""
+    from elastic_oneshot.loop.data import heldout_samples
+
+    return heldout_samples("builtin", transformers.AutoTokenizer.from_pretrained(model), 8, 64)
+
+
+def check_compressed(model: str, out: str, auto_class: str = "AutoModelForCausalLM", teach: bool = False,
+                     prelude: str | None = None) -> tuple[float, float]:
+    """The sweep's checks of a W4 checkpoint compressed from `model` (tests/test_architectures.py), made as a user
+    makes them, in an interpreter that has never imported elastic_oneshot (FreshLoader): transformers loads it (as
+    `auto_class`) with nothing missing or unexpected, and it generates; so does its round-to-nearest twin
+    (write_rtn, to OUT.rtn). `teach`: the README beside the checkpoint says to call
+    `elastic_oneshot.teach_transformers` before loading, and the load does (the plain load first: it misses the
+    fused experts); otherwise elastic_oneshot is never imported. `prelude`: a file run first (a user's registration
+    of a new architecture). Returns the relative L2 errors of both checkpoints' logits against the original's, on
+    `heldout` text."""
+    readme = os.path.join(out, "README.md")
+    says = os.path.exists(readme) and "teach_transformers" in open(readme).read()
+    assert says == teach, f"{out}/README.md says to call teach_transformers: {says}, expected {teach}"
+    spec = dict(model=model, gptq=out, rtn=write_rtn(model, out, f"{out}.rtn"), auto_class=auto_class, teach=teach,
+                prelude=prelude, ids=heldout(model).tolist())
+    found = _loader.check(spec)
+    assert found["elastic_oneshot imported"] == teach
+    for how in ("gptq", "rtn"):
+        assert not found[how]["missing_keys"] and not found[how]["unexpected_keys"], (how, found[how])
+    assert found["generated"] == [1, 7], found["generated"]
+    if teach:  # needed: loaded untaught, the fused experts are missing and every per-expert tensor is unexpected
+        with safe_open(os.path.join(out, "model.safetensors"), "pt") as f:
+            per_expert = {k for k in f.keys() if re.search(r"\.experts\.\d+\.", k)}
+        missing, unexpected = found["untaught"]["missing_keys"], found["untaught"]["unexpected_keys"]
+        assert missing and all(re.search(r"\.experts\.[a-z_]+$", k) for k in missing), missing
+        assert per_expert and set(unexpected) == per_expert, unexpected
+    return found["gptq"]["error"], found["rtn"]["error"]

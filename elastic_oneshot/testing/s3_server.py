@@ -1,7 +1,8 @@
 """A throwaway S3-compatible server for tests and benchmarks: moto in server mode on 127.0.0.1, in a temporary
 directory, with one bucket, stopped by its PID. With `auth`, it checks every request's signature as AWS does, against
-an access key it issued at start (in `env`), so that a test can tell which credentials the product used. With
-`namespace` (netns.py), it runs inside that network namespace, reached over its shaped link.
+an access key it issued at start (in `env`); its log (`log.name`) holds every request's Authorization header, so that
+a test can tell which credentials the product used. With `namespace` (netns.py), it runs inside that network
+namespace, reached over its shaped link.
 
     with S3Server() as s3:
         os.environ.update(s3.env)        # what a user sets to point the product at it
@@ -17,6 +18,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from urllib.parse import quote, unquote_plus, urlsplit
 
 from elastic_oneshot.testing.netns import Namespace
 
@@ -41,7 +43,7 @@ class S3Server:
         self.dir = tempfile.mkdtemp(prefix="moto-")
         self.log = open(os.path.join(self.dir, "moto.log"), "w")
         env = {**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": str(UNSIGNED)} if self.auth else None
-        cmd = [sys.executable, "-m", "moto.server", "-H", self.address, "-p", str(self.port)]
+        cmd = [sys.executable, "-m", "elastic_oneshot.testing.s3_server", "-H", self.address, "-p", str(self.port)]
         popen = subprocess.Popen if self.namespace is None else self.namespace.popen
         self.proc = popen(cmd, cwd=self.dir, stdout=self.log, stderr=self.log, env=env)
         for _ in range(100):  # up, with its bucket
@@ -87,3 +89,41 @@ class S3Server:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+def serve(argv: list[str]):
+    """moto's server (its command line), with two hooks: every request's method, path and Authorization header
+    logged to stderr (never a secret: SigV4 sends a signature); and signatures checked against the query as AWS
+    canonicalizes it (each name and value decoded, `+` as a space, and encoded again leaving only unreserved
+    characters). moto checks them against the query as the URL holds it, so it refuses a client that encodes
+    otherwise (getmoto/moto#5948): every signed LIST under a prefix in moto 5.2.1; in 5.2.5 obstore's LIST under a
+    prefix holding a space or a tilde."""
+    import moto.server
+    from moto.iam.access_control import IAMRequestBase
+
+    create = IAMRequestBase._create_aws_request
+
+    def canonical(self):
+        request = create(self)
+        url = urlsplit(request.url)
+        pairs = sorted(tuple(quote(unquote_plus(part), safe="-_.~") for part in pair.partition("=")[::2])
+                       for pair in url.query.split("&") if pair)
+        request.url = url._replace(query="&".join(f"{k}={v}" for k, v in pairs)).geturl()
+        return request
+
+    IAMRequestBase._create_aws_request = canonical
+    run = moto.server.run_simple
+
+    def logged(app):
+        def call(environ, start_response):
+            os.write(2, f"{environ['REQUEST_METHOD']} {environ.get('RAW_URI', environ['PATH_INFO'])} Authorization: "
+                        f"{environ.get('HTTP_AUTHORIZATION', '-')}\n".encode())  # one write: threads log at once
+            return app(environ, start_response)
+        return call
+
+    moto.server.run_simple = lambda host, port, app, **kw: run(host, port, logged(app), **kw)
+    moto.server.main(argv)
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1:])
