@@ -11,6 +11,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 
 import psutil
@@ -154,7 +155,7 @@ def test_a_state_link_repointed_mid_run_changes_nothing_of_either_job(tiny_llama
     x_state.mkdir()
     link.symlink_to(x_state)
     log = open(tmp_path / "x.log", "w")
-    proc = subprocess.Popen([str(a) for a in ["python", "-m", "elastic_oneshot", "run", "--model", tiny_llama,
+    proc = subprocess.Popen([str(a) for a in [sys.executable, "-m", "elastic_oneshot", "run", "--model", tiny_llama,
                                               "--output", x_out, "--state", link, *CLI_JOB]],
                             stdout=log, stderr=log, env=one_thread_env())
     try:
