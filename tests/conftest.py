@@ -23,6 +23,16 @@ def _signal_mask():
     signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
+@pytest.fixture(scope="module")
+def table(request):
+    """A module's table of figures, one row per test that ran, printed after its last test whatever the order."""
+    rows: list[str] = []
+    yield rows
+    if rows:
+        with request.config.pluginmanager.getplugin("capturemanager").global_and_fixture_disabled():
+            print("\n" + "\n".join(sorted(rows)))
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory):
     return make_model(str(tmp_path_factory.mktemp("models") / "llama"), "llama")

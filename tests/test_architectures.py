@@ -52,16 +52,6 @@ REFUSED = {  # refused at start, before any work, with the reason
 }
 
 
-@pytest.fixture(scope="module")
-def table(request):
-    """The sweep's table, one row per type that ran, written after the module's last test whatever the order."""
-    rows: list[str] = []
-    yield rows
-    if rows:
-        with request.config.pluginmanager.getplugin("capturemanager").global_and_fixture_disabled():
-            print("\n" + "\n".join(sorted(rows)))
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type, moe", [(t, False) for t in DENSE] + [(t, True) for t in MOE])
 def test_compressed_loads_generates_and_beats_round_to_nearest(model_type, moe, tmp_path, caplog, table):

@@ -72,16 +72,6 @@ print(json.dumps({"missing": sorted(info["missing_keys"]), "unexpected": sorted(
 """
 
 
-@pytest.fixture(scope="module")
-def table(request):
-    """The types' table, printed after the module's last test."""
-    rows: list[str] = []
-    yield rows
-    if rows:
-        with request.config.pluginmanager.getplugin("capturemanager").global_and_fixture_disabled():
-            print("\n" + "\n".join(sorted(rows)))
-
-
 def tiny(path, model_type: str, moe: bool, monkeypatch) -> str:
     """The tiny model of the type; Gemma 4's MoE with its MoE block on (and keys equal to values in full attention);
     DeepSeek-V4's table from token id to experts (its hash routing) drawn, where the config class leaves it zeros."""
