@@ -22,7 +22,7 @@ from collections.abc import Callable, Hashable
 import torch
 import transformers
 
-from elastic_oneshot.models import stored_names
+from elastic_oneshot.models import mappings, stored_names
 from elastic_oneshot.models.moe import Experts, Layout, default_gating, own_gating
 
 FAMILIES: dict[str, type["Family"]] = {}
@@ -178,6 +178,14 @@ class Family:
             dense += [n for n, m in skeleton.get_submodule(block).named_modules(prefix=block) if
                       isinstance(m, torch.nn.Linear) and id(m) not in own and m.out_features in (1, count)]
         return dense
+
+    def smoothing_mappings(self, config) -> tuple:
+        """SmoothQuant's default mappings for the model (models/mappings.py, by its class, as the peer's registry)."""
+        return mappings.smoothing_mappings((config.architectures or [""])[0])
+
+    def awq_mappings(self, config) -> tuple:
+        """AWQ's default mappings for the model (models/mappings.py, by its class, as the peer's registry)."""
+        return mappings.awq_mappings((config.architectures or [""])[0])
 
     def stored_names(self, skeleton: torch.nn.Module, checkpoint_names) -> dict[str, str]:
         """Skeleton tensor name -> the checkpoint's, for the names that differ: transformers' conversion mappings."""
