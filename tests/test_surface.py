@@ -17,7 +17,7 @@ import torch
 from elastic_oneshot import oneshot
 from elastic_oneshot.errors import UsageError
 from elastic_oneshot.quantization.recipe import Recipe
-from elastic_oneshot.quantization.recipe_loader import load_recipe
+from elastic_oneshot.quantization.recipe_loader import read_recipe
 from elastic_oneshot.surface.status import render, report
 from elastic_oneshot.testing.runs import one_thread_env, run_cli, torchrun_cmd, tree_digest
 from elastic_oneshot.testing.tiny import make_model
@@ -74,15 +74,15 @@ def test_recipe_spellings_of_the_same_job():
     from llmcompressor.modifiers.gptq import GPTQModifier
 
     flags = Recipe(group_size=64)
-    assert load_recipe(YAML_GROUP_64) == flags
-    assert load_recipe([GPTQModifier(config_groups=GROUP_64, ignore=["lm_head"], actorder="weight")]) == flags
+    assert read_recipe(YAML_GROUP_64) == flags
+    assert read_recipe([GPTQModifier(config_groups=GROUP_64, ignore=["lm_head"], actorder="weight")]) == flags
     preset = stage("GPTQModifier: {scheme: W4A16, targets: Linear, ignore: [lm_head]}")
-    assert load_recipe(preset) == Recipe()  # what the flags' defaults make: the same job fingerprint
+    assert read_recipe(preset) == Recipe()  # what the flags' defaults make: the same job fingerprint
     channel = stage("GPTQModifier:\n  actorder: null\n  dampening_frac: 0.05\n  config_groups: {g: {targets: [Linear], "
                     "weights: {num_bits: 3, type: int, symmetric: false, strategy: channel}}}")
-    assert load_recipe(channel) == Recipe(scheme="W3A16", group_size=-1, symmetric=False, actorder=None,
+    assert read_recipe(channel) == Recipe(scheme="W3A16", group_size=-1, symmetric=False, actorder=None,
                                           dampening_frac=0.05, ignore=())
-    assert load_recipe(channel).weights.num_bits == 3
+    assert read_recipe(channel).weights.num_bits == 3
 
 
 @pytest.mark.parametrize("modifiers, message", [
@@ -95,11 +95,11 @@ def test_recipe_spellings_of_the_same_job():
      "output_activations: {num_bits: 8}}}}", "output_activations are not supported"),
     ("GPTQModifier: {scheme: W4A16, kv_cache_scheme: {num_bits: 8}}", "kv_cache_scheme is not supported"),
     ("GPTQModifier: {scheme: W4A16, sequential_update: true}", "'sequential_update' is not supported"),
-    ("QuantizationModifier: {scheme: W4A16}", "QuantizationModifier is not supported: elastic-oneshot runs GPTQ only"),
+    ("QuIPModifier: {}", "QuIPModifier is not supported: elastic-oneshot runs GPTQModifier, QuantizationModifier"),
 ])
 def test_unsupported_settings_are_refused_in_one_line(modifiers, message):
     with pytest.raises(UsageError, match=re.escape(message)) as e:
-        load_recipe(stage(modifiers))
+        read_recipe(stage(modifiers))
     assert "\n" not in str(e.value)
 
 

@@ -24,17 +24,19 @@ from elastic_oneshot.models.family import family_for
 from elastic_oneshot.models.source import SourceModel, _read_header
 
 
-def check_loadable(directory: str, source: SourceModel, quantization: QuantizationConfig,
+def check_loadable(directory: str, source: SourceModel, quantization: QuantizationConfig | None,
                    trust_remote_code: bool = False):
-    """Refuse the checkpoint in `directory` (written from `source` with `quantization`), naming what is wrong."""
+    """Refuse the checkpoint in `directory` (written from `source` with `quantization`; None: a recipe that
+    quantizes nothing), naming what is wrong."""
     written = set()
     for fname in sorted(os.listdir(directory)):
         if fname.endswith(".safetensors"):
             written.update(json.loads(_read_header(os.path.join(directory, fname))))
     written.discard("__metadata__")
-    ignored = set(quantization.ignore or ())
+    ignored = set(quantization.ignore or ()) if quantization is not None else None
     unquantized = [name for name, m in source.skeleton.named_modules() if isinstance(m, torch.nn.Linear)
-                   and name not in ignored and source.stored_name(f"{name}.weight_scale") not in written]
+                   and ignored is not None and name not in ignored
+                   and source.stored_name(f"{name}.weight_scale") not in written]
     if unquantized:
         _fail(directory, f"{len(unquantized)} Linear modules neither quantized nor in ignore", unquantized)
     model, quantizer = _loader_model(directory, trust_remote_code)
