@@ -260,9 +260,8 @@ class Recipe:
         if self.quantizer is None:
             return None
         modules = dict(model.named_modules())
-        types = {get_vllm_module_type(type(modules[n]).__name__) for n in schemes}
-        ignore = [name for name, m in modules.items()
-                  if name and name not in schemes and get_vllm_module_type(type(m).__name__) in types]
+        types = {_vllm_type(modules[n]) for n in schemes}
+        ignore = [name for name, m in modules.items() if name and name not in schemes and _vllm_type(m) in types]
         groups = []
         for scheme in schemes.values():
             if scheme not in groups:
@@ -273,6 +272,12 @@ class Recipe:
             config_groups={f"group_{i}": g for i, g in enumerate(groups)},
             format=formats.pop() if len(formats) == 1 else "mixed-precision",
             quantization_status=QuantizationStatus.COMPRESSED, ignore=ignore)
+
+
+def _vllm_type(module: torch.nn.Module) -> str:
+    """A module's type as vLLM counts types (compressed-tensors' get_vllm_module_type); our own Linear modules (an
+    expert's RowsLinear) count as the Linear they stand for."""
+    return "Linear" if isinstance(module, torch.nn.Linear) else get_vllm_module_type(type(module).__name__)
 
 
 def _check_divisible(recipe: Recipe, shapes: dict[str, tuple[int, int]], schemes: dict[str, QuantizationScheme]):
