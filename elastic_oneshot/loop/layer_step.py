@@ -99,10 +99,15 @@ class LayerStep:
         earlier ones streams the experts of a layer whose weights take more than half of `budget`
         (source.load_layer)."""
         with timed(seconds, "load"):
-            module = self.source.load_layer(layer, self.device, budget if self.stage.index == 0 else None)
+            module = self.source.load_layer(layer, self.device, self._streaming(budget))
             for p, tensors in decisions:
                 self.apply(module, layer, p, tensors)
             return module, self.units(layer, module)
+
+    def _streaming(self, budget: int | None) -> int | None:
+        """The budget that streams a large layer's experts (source.load_layer): GPTQ's alone, whose steps hold and
+        fetch them; the other passes, and GPTQ after them, hold whole layers."""
+        return budget if self.stage.index == 0 and self.kind == "gptq" else None
 
     def units(self, layer: int, module) -> list:
         """The pass's units of sub-layer progress for `layer`: input groups (GPTQ, round to nearest, SparseGPT),
@@ -138,7 +143,7 @@ class LayerStep:
     def replayed(self, layer: int, tensors: dict, decisions: list, budget: int | None) -> torch.nn.Module:
         """A layer this pass committed, as its propagation left it (its `tensors` applied over the earlier passes'
         `decisions`), on the device."""
-        module = self.source.load_layer(layer, self.device, budget if self.stage.index == 0 else None)
+        module = self.source.load_layer(layer, self.device, self._streaming(budget))
         for p, committed in [*decisions, (self.stage, tensors)]:
             self.apply(module, layer, p, committed)
         return module

@@ -477,15 +477,15 @@ class Runner:
 
 
 class Passes:
-    """A recipe's passes (loop/passes.py), run in order, each by a runner of its own (`make(index, earlier)`, made
-    when first reached: `earlier` pairs the passes before it with their protocols). At every (re)start of the
+    """A recipe's passes (loop/passes.py), run in order, each by a runner of its own (`make(index, earlier)`,
+    made when first reached, the first at once: `earlier` pairs the passes before it with their protocols). At every (re)start of the
     workers every pass begins an epoch of its own state: a finished one verifies its commits and ends at once. A pass
     that finds a committed layer of an earlier one damaged (Again) runs that pass again (which redoes the layer, to
     the same bits), then the passes after it."""
 
     def __init__(self, count: int, make: Callable[[int, list], Runner]):
         self.count, self.make = count, make
-        self.runners: list[Runner] = []
+        self.runners: list[Runner] = [make(0, [])]  # now: its layer-0 trial refuses a model before any work
         self.current: Runner | None = None
 
     @property

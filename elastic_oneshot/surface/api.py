@@ -52,19 +52,19 @@ def oneshot(model: str | None = None, dataset: str = "builtin", scheme: str = "W
     (modifiers: GPTQ, QuantizationModifier, SmoothQuant, AWQ, SparseGPT, a list of them, a YAML file or text; see
     recipe_loader) or a Recipe; without it, `scheme` and the GPTQ arguments after `text_column` make GPTQ's.
     `state_dir` holds the progress (default: `<output_dir>.state`; a URL puts it on object storage: storage.py);
-    calling again with the same arguments resumes. Under torchrun
-    every rank calls this with the same arguments; rank 0 writes the checkpoint. `coordinator` (etcd://HOST:PORT/
-    PREFIX) keeps epochs and commits in etcd. `allow_long_seq` permits `max_seq_length` past max_position_embeddings.
-    `boundary_every` (auto, 0 or N layers) and `mtbf_s` set how often activations are written (boundaries.py).
-    `metrics_port` (None: $ELASTIC_ONESHOT_METRICS_PORT; 0: none) serves Prometheus metrics, per rank (metrics.py).
-    `max_memory` (bytes, or text such as 24GB; None: 80 % of what the device has free) bounds a layer's working
-    set: a layer of many experts is calibrated and solved in batches that fit (plan.memory_batches).
-    `model_changed`: "refuse" (in one line) or "redo" a resume whose committed layers were computed from other model
-    content than the files hold now (a model edited in place; model_check.py)."""
+    calling again with the same arguments resumes. Under torchrun every rank calls this with the same arguments;
+    rank 0 writes the checkpoint. `coordinator` (etcd://HOST:PORT/PREFIX) keeps epochs and commits in etcd.
+    `allow_long_seq` permits `max_seq_length` past max_position_embeddings. `boundary_every` (auto, 0 or N layers) and
+    `mtbf_s` set how often activations are written (boundaries.py). `metrics_port` (None:
+    $ELASTIC_ONESHOT_METRICS_PORT; 0: none) serves Prometheus metrics, per rank (metrics.py). `max_memory` (bytes, or
+    text such as 24GB; None: 80 % of what the device has free) bounds a layer's working set: a layer of many experts is
+    calibrated and solved in batches that fit (plan.memory_batches). `model_changed`: "refuse" (in one line) or "redo"
+    a resume whose committed layers were computed from other model content than the files hold now (a model edited in
+    place; model_check.py)."""
     max_memory = None if max_memory is None else parse_bytes(max_memory)
     metrics.serve(metrics_port)  # the port is taken first: one that is in use ends this rank before any work
     world = World(timeout_s=collective_timeout)
-    model = model or default_model()
+    bar, model = LayerBar(show=world.rank == 0), model or default_model()
     recipe = _recipe(recipe, Recipe(scheme=scheme, group_size=group_size, symmetric=symmetric, actorder=actorder,
                                     dampening_frac=dampening_frac, block_size=block_size,
                                     ignore=("lm_head", *[i for i in ignore if i != "lm_head"])))
@@ -76,24 +76,17 @@ def oneshot(model: str | None = None, dataset: str = "builtin", scheme: str = "W
     output_dir = output_dir or f"{os.path.basename(job.model.rstrip('/'))}-{recipe.name}"
     state_dir = state_dir or default_root(output_dir)
     destination = open_destination(output_dir)
-    job, state, records, source, record, schemes = _open(job, state_dir, destination, coordinator,
-                                                         allow_long_seq, collective_timeout)
-    passes = plan_passes(job.recipe, source, schemes)  # every stage's modules resolved before any work
-    kept = _kept(passes, state, records, coordinator)
+    job, kept, source, record, schemes, passes = _open(job, state_dir, destination, coordinator, allow_long_seq,
+                                                       collective_timeout)
     _agree(world, job, record, source)
-    bar = LayerBar(show=world.rank == 0)
     runner = Passes(len(passes), lambda index, earlier: Runner(
-        job, kept[index][0], kept[index][1], source, world, schemes, parse_every(boundary_every), mtbf_s, max_memory,
-        model_changed, bar, passes, index, earlier))
-    claim = _claim(kept, record, job, restart, destination) if world.rank == 0 else None
-    if error := world.broadcast_object(claim):
-        raise UsageError(error)
-    for _, kept_records in kept:
-        kept_records.attach(world.rank, world.size, source.num_layers)
-    fault = _record_faults(state, world, runner)
+        job, *kept[index], source, world, schemes, parse_every(boundary_every), mtbf_s, max_memory, model_changed,
+        bar, passes, index, earlier))
+    _claim_on_rank_0(world, kept, record, job, restart, destination, source.num_layers)
+    fault = _record_faults(kept[-1][0], world, runner)
     before = perplexity(job.model, dataset, eval_samples, job.seq_len, text_column) if eval_samples and \
         world.rank == 0 else None
-    with Export(state, destination, source, schemes, repair=True) as build:
+    with Export(kept[-1][0], destination, source, schemes, repair=True) as build:
         if not _run(world, [r for _, r in kept], runner, build, fault):
             return output_dir
         build.finish()  # without a process group: compressed-tensors would run collectives on one
@@ -153,9 +146,10 @@ def _recipe(recipe, options: Recipe) -> Recipe:
 def _open(job: Job, state_dir: str, destination: Destination, coordinator: str | None, allow_long_seq: bool,
           collective_timeout: float):
     """Everything checkable before any work: where state and output go, the model's weights, the sequence
-    length, the output, the recipe against the model; then the state (an object store's retries within half the
-    collective timeout, so that peers wait them out), its records, the job's record and each quantized module's
-    scheme (computed once a run: the runner and the export take them)."""
+    length, the output, the recipe against the model (each pass's modules resolved); then the state (an object
+    store's retries within half the collective timeout, so that peers wait them out), each pass's state and records
+    (`_kept`: the job's last), the job's record, each quantized module's scheme (computed once a run: the runner and
+    the export take them) and the passes."""
     state = StateStore(state_dir, retry_s=collective_timeout / 2)
     check_locations(job.model, state, destination)
     records = open_records(state, coordinator)
@@ -167,7 +161,9 @@ def _open(job: Job, state_dir: str, destination: Destination, coordinator: str |
     record = job_record(job, source.digest(), source.num_layers)
     metrics.job(record["fingerprint"])
     destination.check(record["fingerprint"], state.root)
-    return job, state, records, source, record, job.recipe.module_schemes(source.skeleton, source.family)
+    schemes = job.recipe.module_schemes(source.skeleton, source.family)
+    passes = plan_passes(job.recipe, source, schemes)
+    return job, _kept(passes, state, records, coordinator), source, record, schemes, passes
 
 
 def _record_faults(state: StateStore, world: World, runner: Runner):
@@ -190,6 +186,17 @@ def _kept(passes: list[Pass], state: StateStore, records: Records, coordinator: 
     with their records in them or under the coordinator's prefix."""
     return [(state, records) if p.last else (state.stage(p.folder), open_records(state, coordinator, p.folder))
             for p in passes]
+
+
+def _claim_on_rank_0(world: World, kept: list[tuple[StateStore, Records]], record: dict, job: Job, restart: bool,
+                     destination: Destination, num_layers: int):
+    """Rank 0 claims the state and the output (`_claim`), every rank learns its error, if any (a UsageError on
+    every rank), then attaches to each pass's records."""
+    claim = _claim(kept, record, job, restart, destination) if world.rank == 0 else None
+    if error := world.broadcast_object(claim):
+        raise UsageError(error)
+    for _, records in kept:
+        records.attach(world.rank, world.size, num_layers)
 
 
 def _claim(kept: list[tuple[StateStore, Records]], record: dict, job: Job, restart: bool,

@@ -65,7 +65,7 @@ def report(state: StateStore | str, now: float | None = None, records: Records |
 def _passes(state: StateStore, job: dict) -> dict:
     """For a recipe of several passes, each pass's layers committed: {"passes": [{"modifier", "layers_done"}]} (the
     last pass's are the report's own); nothing for a recipe of one."""
-    recipe = job["job"]["recipe"]
+    recipe = job["job"].get("recipe") or {}
     names = [s["modifier"] for s in recipe.get("stages", [])] + ([recipe.get("quantizer", "GPTQModifier")]
                                                                   if recipe.get("quantizer", "") is not None else [])
     if len(names) < 2:
