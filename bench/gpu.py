@@ -8,6 +8,10 @@ group 128: a Llama-3-8B-shaped model cut to its first 8 decoder layers, and a Qw
     python bench/gpu.py --memory-trace         # on a GPU: where each side's peak GPU memory was (slower runs)
     python bench/gpu.py --tiny                 # the same code on CPU, tiny shapes, 16 x 128 tokens (about a
                                                # minute of CPU, most of it five interpreters importing)
+    python bench/gpu.py --device cpu --memory  # no GPU: one layer of each model, ours and the peer's, on paper
+                                               # (testing/accountant.py): peak GPU bytes by phase, and the ratio
+    python bench/gpu.py --device cpu --ops     # no GPU: our Qwen3-MoE layer's operations, FLOPs and bytes on paper,
+                                               # and the seconds they model on an H100
 
 Each side runs in its own process, one after the other; wall time and peak host RSS are that process's (start to
 saved checkpoint, imports included), peak GPU memory is PyTorch's allocator's in it. Our seconds per phase are summed
@@ -16,9 +20,10 @@ seconds are its own, but the Hessians' share of calibration is host time (the ho
 llmcompressor (the GPU machine lacks it unless the wheelhouse brought it: `launch/wheelhouse.sh --peer`), ours runs
 alone and the peer is reported as skipped.
 
-On the GPU machine (docs/operations.md, "A GPU session": one device `run` per step, carrying .wheelhouse/):
+On the GPU machine (docs/operations.md, "A GPU session": one device `run` for all of it, carrying .wheelhouse/):
     launch/wheelhouse.sh --peer                # here, before: .wheelhouse/ (git-ignored)
-    bash launch/gpu_session.sh llama3-8b       # there: installs it, then this bench for one model at full size
+    bash launch/gpu_session.sh all             # there: installs it, then this bench for each model under a deadline,
+                                               # each side's figures merged into $OUT/result.json as it ends (--result)
 """
 
 import argparse
@@ -32,37 +37,59 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from elastic_oneshot.testing import gpu  # noqa: E402
+from elastic_oneshot.testing import accountant, gpu  # noqa: E402
 from elastic_oneshot.testing.runs import tree_digest  # noqa: E402
 
 TOKENS = {"llama3-8b": (256, 2048), "qwen3-30b-a3b": (128, 2048)}  # samples x seq_len at full size
+PAPER_TOKENS = {"memory": {"llama3-8b": (16, 2048), "qwen3-30b-a3b": (8, 2048)},  # --device cpu
+                "ops": {"llama3-8b": (256, 2048), "qwen3-30b-a3b": (128, 2048)}}
+PAPER_PHASES = ["load", "calibrate", "Hessians", "GPTQ", "propagate"]
+H100 = {"launch": 10e-6, "flops": 400e12, "bytes": 3e12}  # s per op, FLOP/s, bytes/s: the --ops model
 PHASES = [("load", "load"), ("calibrate", "calibrate"), ("hessian", "Hessians"), ("gptq", "GPTQ"),
           ("propagate", "propagate"), ("commit", "durability (commit)")]
 
 
-def measure(side: str, args: list[str], log: str, env: dict) -> dict:
-    """Run one side in its own process; its wall seconds and peak RSS with what it reported of itself."""
-    report = log + ".json"
+def measure(side: str, args: list[str], log: str, report: str, env: dict) -> dict:
+    """Run one side in its own process, its output appended to `log`; its wall seconds and peak RSS with what it
+    reported of itself (in `report`)."""
     if os.path.exists(report):
         os.remove(report)
     t = time.perf_counter()
-    with open(log, "w") as f:
+    with open(log, "a") as f:
+        f.write(f"== {side}: {' '.join(args)[:300]}\n")
+        f.flush()
+        since = f.tell()
         proc = subprocess.Popen([sys.executable, "-m", "elastic_oneshot.testing.gpu", side, report, *args],
                                 stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
         _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - t
     if os.waitstatus_to_exitcode(status) != 0 or not os.path.exists(report):
-        with open(log) as f:
-            sys.exit(f"{side} failed (exit {os.waitstatus_to_exitcode(status)}); the end of {log}:\n"
-                     + "".join(f.readlines()[-30:]))
+        sys.exit(f"{side} failed (exit {os.waitstatus_to_exitcode(status)}); the end of {log}:\n"
+                 + tail(log, 30, since))
     with open(report) as f:
-        return {**json.load(f), "wall": wall, "rss_bytes": usage.ru_maxrss * 1024, "log": log}
+        return {**json.load(f), "wall": wall, "rss_bytes": usage.ru_maxrss * 1024, "log": log, "log_from": since}
 
 
-def tail(log: str, lines: int = 3) -> str:
+def tail(log: str, lines: int = 3, since: int = 0) -> str:
+    """The last `lines` lines of `log` written from offset `since` on."""
     with open(log, errors="replace") as f:
+        f.seek(since)
         last = [line.rstrip()[-160:] for line in f.read().replace("\r", "\n").splitlines() if line.strip()]
     return "\n".join(f"    | {line}" for line in last[-lines:])
+
+
+def save(path: str, key: str, value):
+    """result.json at `path` with `key` set to `value` (the file merged, rewritten atomically): a session's
+    results survive a step cut off at its deadline."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        data = {}
+    data[key] = value
+    with open(path + ".tmp", "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(path + ".tmp", path)
 
 
 def phases(state: str) -> tuple[dict, int]:
@@ -125,9 +152,9 @@ def table(name: str, ours: dict, theirs: dict | None, out: str, peer_out: str, s
             print(f"{side} blocks live at the peak ({facts['peak_sites'][0][1] / 2**30:.3f} GB), by where allocated:")
             for site, size in facts["peak_sites"][1:]:
                 print(f"  {size / 2**30:9.3f} GB  {site}")
-    print(f"last lines of ours ({ours['log']}):\n{tail(ours['log'])}")
+    print(f"last lines of ours ({ours['log']}):\n{tail(ours['log'], since=ours['log_from'])}")
     if theirs:
-        print(f"last lines of the peer's ({theirs['log']}):\n{tail(theirs['log'])}")
+        print(f"last lines of the peer's ({theirs['log']}):\n{tail(theirs['log'], since=theirs['log_from'])}")
     sys.stdout.flush()
     return same
 
@@ -137,7 +164,14 @@ def bench(name: str, a, env: dict, peer: bool) -> dict:
     model, data = os.path.join(work, "model"), os.path.join(work, f"tokens-{samples}x{seq_len}.txt")
     print(f"\n== {name}: {samples} x {seq_len} random tokens, W4A16 group 128", flush=True)
     out, peer_out = os.path.join(work, "ours"), os.path.join(work, "peer")
+    key = name + ("-memory" if a.memory_trace else "")
+    entry = {"model": name, "samples": samples, "seq_len": seq_len, "ours": None, "peer": None}
     runs = {}
+
+    def kept(**more):  # what is known so far, merged into --result at once
+        entry.update(more)
+        if a.result:
+            save(a.result, key, entry)
 
     def run_ours(every: str, output: str) -> dict:
         for d in (output, output + ".state"):
@@ -145,10 +179,13 @@ def bench(name: str, a, env: dict, peer: bool) -> dict:
         runs[every] = measure("ours", ["run", "--model", model, "--dataset", data, "--output", output,
                                        "--state", output + ".state", "--num-samples", str(samples), "--seq-len",
                                        str(seq_len), "--group-size", "128", "--chunk-size", str(a.chunk_size),
-                                       "--boundary-every", every], os.path.join(work, f"ours-{every}.log"), env)
+                                       "--boundary-every", every], a.log or os.path.join(work, f"ours-{every}.log"),
+                              os.path.join(work, f"ours-{every}.json"), env)
+        kept(**{"ours": runs[every]} if output == out else {}, boundary_runs={k: v["wall"] for k, v in runs.items()})
         runs[every]["phases"] = phases(output + ".state")
         print(f"ours (--boundary-every {every}): {runs[every]['wall']:.1f} s, peak GPU memory "
               f"{runs[every]['peak_gpu_bytes'] / 2**30:.2f} GB", flush=True)
+        kept()
         return runs[every]
 
     ours = run_ours("auto" if a.durability else a.boundary_every, out)
@@ -158,17 +195,87 @@ def bench(name: str, a, env: dict, peer: bool) -> dict:
         theirs = measure("peer", [json.dumps(dict(model_dir=model, out=peer_out, dataset=data, samples=samples,
                                                   seq_len=seq_len, group_size=128, dtype="auto",
                                                   moe="moe" in gpu.SHAPES[name][0]))],
-                         os.path.join(work, "peer.log"), env)
+                         a.log or os.path.join(work, "peer.log"), os.path.join(work, "peer.json"), env)
         print(f"peer: {theirs['wall']:.1f} s, ratio {ours['wall'] / theirs['wall']:.3f} (target <= 0.6)", flush=True)
+        kept(peer=theirs, wall_ratio=ours["wall"] / theirs["wall"])
     same = table(name, ours, theirs, out, peer_out, samples, seq_len)
+    kept(identical=same)
     if a.durability:  # last: where a deadline cuts the bench short, the figures above are printed
         run_ours("0", out + "-0")
         off, on = runs["0"]["wall"], runs["auto"]["wall"]
         same_bits = tree_digest(out) == tree_digest(out + "-0")
         print(f"durability: --boundary-every auto {on:.1f} s, 0 {off:.1f} s: overhead {on / off - 1:+.2%} "
               f"(target <= 5 %); the two checkpoints' bytes {'are identical' if same_bits else 'DIFFER'}", flush=True)
-    return {"model": name, "samples": samples, "seq_len": seq_len, "ours": ours, "peer": theirs, "identical": same,
-            "boundary_runs": {k: v["wall"] for k, v in runs.items()}}
+        kept(durability_identical=same_bits)
+    return entry
+
+
+def on_paper(side: str, model: str, samples: int, seq_len: int, work: str, env: dict) -> dict:
+    """One side's layer on the accountant's paper GPU, in a process of its own (testing/accountant.py)."""
+    report, log = os.path.join(work, f"paper-{side}.json"), os.path.join(work, f"paper-{side}.log")
+    with open(log, "w") as f:
+        proc = subprocess.run([sys.executable, "-m", "elastic_oneshot.testing.accountant", side, model, str(samples),
+                               str(seq_len), report, "sites"], stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    if proc.returncode != 0:
+        sys.exit(f"the accountant failed on {side}'s layer (exit {proc.returncode}); the end of {log}:\n"
+                 + tail(log, 30))
+    with open(report) as f:
+        return json.load(f)
+
+
+def modeled(p: dict) -> float:
+    """Seconds on an H100 by the --ops model: ops x 10 us + FLOPs / 400 TFLOP/s + bytes / 3 TB/s."""
+    return p["ops"] * H100["launch"] + p["flops"] / H100["flops"] + p["bytes"] / H100["bytes"]
+
+
+def paper_memory(name: str, a, env: dict):
+    samples, seq_len = (a.samples or PAPER_TOKENS["memory"][name][0], a.seq_len or PAPER_TOKENS["memory"][name][1])
+    work = os.path.join(a.workdir, f"paper-{name}" + ("-tiny" if a.tiny else ""))
+    model = accountant.paper_model(os.path.join(work, "model"), name, tiny=a.tiny)
+    sides = ["ours"] + (["peer"] if gpu.peer_available() else [])
+    got = {side: on_paper(side, model, samples, seq_len, work, env) for side in sides}
+    gb = 2**30
+    print(f"\n{name}: one layer{' (tiny)' if a.tiny else ''}, {samples} x {seq_len} tokens: peak GPU memory (GB) by "
+          "phase, on paper")
+    print(f"{'':14}" + "".join(f"{s:>10}" for s in sides) + ("   ratio" if "peer" in got else ""))
+    for ph in [*PAPER_PHASES, "peak"]:
+        values = [got[s]["peak"] if ph == "peak" else got[s]["phases"].get(ph, {}).get("peak", 0) for s in sides]
+        ratio = f"{values[0] / values[1]:8.3f}" if len(values) > 1 and values[1] else ""
+        print(f"  {ph:12}" + "".join(f"{v / gb:10.3f}" for v in values) + ratio)
+    for side in sides:
+        print(f"{side} at its peak, by where the live blocks were allocated:")
+        for site, size in got[side]["at_peak"]:
+            print(f"  {size / gb:9.3f} GB  {site}")
+        for site, n in got[side].get("assumed", {}).items():
+            print(f"  ({n} float reads taken as 0 at {site})")
+    if "peer" in got:
+        print(f"memory {name}: ours {got['ours']['peak'] / gb:.2f} GB, peer {got['peer']['peak'] / gb:.2f} GB, "
+              f"ratio {got['ours']['peak'] / got['peer']['peak']:.3f}   (target <= 0.9)", flush=True)
+    else:
+        print(f"memory {name}: ours {got['ours']['peak'] / gb:.2f} GB, peer skipped (llmcompressor is not installed)")
+
+
+def paper_ops(name: str, a, env: dict):
+    samples, seq_len = (a.samples or PAPER_TOKENS["ops"][name][0], a.seq_len or PAPER_TOKENS["ops"][name][1])
+    work = os.path.join(a.workdir, f"paper-{name}" + ("-tiny" if a.tiny else ""))
+    model = accountant.paper_model(os.path.join(work, "model"), name, tiny=a.tiny)
+    got = on_paper("ours", model, samples, seq_len, work, env)
+    print(f"\n{name}: our layer{' (tiny)' if a.tiny else ''}, {samples} x {seq_len} tokens, on paper: each operation "
+          f"{H100['launch'] * 1e6:.0f} us, {H100['flops'] / 1e12:.0f} TFLOP/s, {H100['bytes'] / 1e12:.0f} TB/s "
+          "(an H100)")
+    print(f"  {'':12}{'ops':>10}{'in graphs':>11}{'TFLOP':>10}{'GB moved':>10}{'syncs':>8}{'modeled s':>11}")
+    total = {"ops": 0, "flops": 0, "bytes": 0, "graphed": 0}
+    for ph in PAPER_PHASES:
+        p = got["phases"].get(ph)
+        if p:
+            print(f"  {ph:12}{p['ops']:10}{p['graphed']:11}{p['flops'] / 1e12:10.2f}{p['bytes'] / 1e9:10.1f}"
+                  f"{p['syncs']:8}{modeled(p):11.2f}")
+            total = {k: total[k] + p[k] for k in total}
+    print("  (ops: launched by the host, a CUDA graph's replay one of them; in graphs: the kernels those replays run, "
+          "whose bytes and FLOPs count)")
+    print("  operations counted most: " + ", ".join(f"{op} {n}" for op, n in got["ops_by_name"]))
+    print(f"modeled {name}: {modeled(total):.2f} s per layer on an H100 ({total['ops']} ops, "
+          f"{total['flops'] / 1e12:.1f} TFLOP, {total['bytes'] / 1e9:.1f} GB)", flush=True)
 
 
 def main():
@@ -183,10 +290,29 @@ def main():
     p.add_argument("--skip-peer", action="store_true", help="ours alone")
     p.add_argument("--memory-trace", action="store_true",
                    help="on a GPU, each side records its allocations: where its peak GPU memory was (slower runs)")
+    p.add_argument("--device", choices=["gpu", "cpu"], default="gpu",
+                   help="cpu: no GPU, one layer on paper (testing/accountant.py), with --memory and/or --ops")
+    p.add_argument("--memory", action="store_true", help="--device cpu: peak GPU memory by phase, ours and the peer's")
+    p.add_argument("--ops", action="store_true",
+                   help="--device cpu: our operations, FLOPs and bytes, modeled on an H100")
     p.add_argument("--workdir", default=os.path.join(ROOT, "bench-work", "gpu"))
+    p.add_argument("--log", help="append every side's output to this file (default: a log per side in the workdir)")
+    p.add_argument("--result", help="merge the results into this JSON file after each side (a session's result.json; "
+                   "default: result.json in the workdir, at the end)")
     p.add_argument("--prepare-only", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
     names = a.only or list(gpu.SHAPES)
+    if a.device == "cpu":
+        if not (a.memory or a.ops):
+            p.error("--device cpu counts on paper: give --memory and/or --ops")
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+        for name in names if a.memory else []:
+            paper_memory(name, a, env)
+        for name in (a.only or ["qwen3-30b-a3b"]) if a.ops else []:
+            paper_ops(name, a, env)
+        return
+    if a.memory or a.ops:
+        p.error("--memory and --ops count on paper: add --device cpu")
     if a.prepare_only:
         return prepare(names, a)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
@@ -197,12 +323,17 @@ def main():
     if a.memory_trace:
         env["ELASTIC_ONESHOT_MEMORY_TRACE"] = "1"
     t = time.perf_counter()
-    subprocess.run([sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--prepare-only"], check=True, env=env)
+    if a.tiny:  # on the CPU: no GPU for this process to keep hold of
+        prepare(names, a)
+    else:
+        subprocess.run([sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--prepare-only"], check=True,
+                       env=env)
     print(f"models and tokens ready in {time.perf_counter() - t:.0f} s", flush=True)
     peer = not a.skip_peer and gpu.peer_available()
     results = [bench(name, a, env, peer) for name in names]
-    with open(os.path.join(a.workdir, "result" + ("-tiny" if a.tiny else "") + ".json"), "w") as f:
-        json.dump(results, f, indent=1)
+    if not a.result:
+        with open(os.path.join(a.workdir, "result" + ("-tiny" if a.tiny else "") + ".json"), "w") as f:
+            json.dump(results, f, indent=1)
     if not peer:
         print("\nthe peer was skipped: " + ("--skip-peer" if a.skip_peer else "llmcompressor is not installed"))
     print(f"bench: {time.perf_counter() - t:.0f} s in all")

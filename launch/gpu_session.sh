@@ -1,57 +1,136 @@
 #!/usr/bin/env bash
-# One step of a GPU session, run ON the GPU machine from the checkout's root (docs/operations.md, "A GPU session"):
-# installs the wheelhouse that launch/wheelhouse.sh --peer made here beforehand (.wheelhouse/, carried), then
-#   tests           the CUDA tests (tests/test_cuda.py: bfloat16 and float32), made to fail rather than skip
-#                   if torch sees no GPU; the figures they print reach tests.log as captured output (-rA, no -s:
-#                   under -n, what workers print straight out is lost)
-#   llama3-8b       bench/gpu.py at full size: 8 layers, 256 x 2048 tokens
-#   qwen3-30b-a3b   bench/gpu.py at full size: 2 layers, 128 experts, 128 x 2048 tokens
-#                   (each fits one 10-minute device call: see `all` for the times measured)
-#   durability      bench/gpu.py --durability --skip-peer on the Llama: auto against 0
-#   memory          bench/gpu.py --memory-trace on the Llama at 16 x 2048: where each side's peak GPU memory was
-#   all             the figures within one 10-minute call: the Llama with the peer then --durability (to 320 s),
-#                   the Qwen3-MoE with the peer (to 590 s); each cut off at its deadline. Then `tests -n 8` as a
-#                   second call. As measured on an H100 (2026-11-26): a start 30 s; the Llama's models 22 s, ours
-#                   72 s a run, the peer's 123 s; the Qwen3-MoE's models 17 s, ours 37 s; `tests -n 8` 142 s
-# Arguments after the step go to pytest or bench/gpu.py (`llama3-8b --samples 64`). Logs go to $OUT (the device tool's folder that comes back), else /tmp/gpu-session.
+# A GPU session in one device call, run ON the GPU machine from the checkout's root (docs/operations.md, "A GPU
+# session"): bash launch/gpu_session.sh all, carrying .wheelhouse/ (launch/wheelhouse.sh --peer, made here before).
+# One setup (the wheels installed into the work folder), then each step under its own deadline, in this order:
+#   qwen3-30b-a3b   bench/gpu.py: ours, then the peer; 2 layers of 128 experts, 128 x 2048 tokens
+#   llama3-8b       bench/gpu.py: ours, then the peer; 8 layers, 128 x 2048 tokens
+#   memory          bench/gpu.py --memory-trace on the Llama at 16 x 2048: where each side's peak is (if time is left)
+#   tests           tests/test_cuda.py with -n 8, each test under pytest-timeout, failing rather than skipping
+#                   without a GPU (if time is left)
+# Each step ends by its deadline (a share of --budget, 420 s: whatever happens, the call ends within it, leaving the
+# session's 15 minutes of device time room for the machine's start and one more call); a step cut off is recorded
+# as such and the next one starts. Under $OUT (the device tool's folder that comes back; at most 8 files):
+# session.log (all of it), install.log, one log per step, and result.json: each model's figures, rewritten after
+# each side, and each step's exit and seconds. Everything else goes to the work folder ($WORK, default
+# /tmp/gpu-session): the wheels installed, models, states, checkpoints, caches.
+#
+#   bash launch/gpu_session.sh all [--tiny] [--budget SECONDS]
+#   bash launch/gpu_session.sh STEP [arguments for bench/gpu.py, or for pytest with tests]   # one step, no deadline
+#   (STEP: one of the four, or durability: ours on the Llama with --boundary-every auto against 0)
+#
+# --tiny: the same steps on CPU with tiny shapes and few tokens (tests/test_gpu_session.py runs it in CI).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT="${OUT:-/tmp/gpu-session}"
-mkdir -p "$OUT"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+WORK="${WORK:-/tmp/gpu-session}"
+OUT="${OUT:-$WORK/out}"
+mkdir -p "$OUT" "$WORK/tmp"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1  # no network there: never wait on the hub
+export HF_HOME="$WORK/hf" XDG_CACHE_HOME="$WORK/cache" TMPDIR="$WORK/tmp" TRITON_CACHE_DIR="$WORK/triton" \
+    MPLCONFIGDIR="$WORK/mpl"  # nothing written outside $OUT and $WORK
 PY="${PYTHON:-python3}"
-step="${1:?usage: launch/gpu_session.sh tests|llama3-8b|qwen3-30b-a3b|durability|all [more arguments for it]}"
+export WORK OUT PY
+step="${1:?usage: launch/gpu_session.sh all [--tiny] [--budget SECONDS] | qwen3-30b-a3b|llama3-8b|memory|tests [args]}"
 shift
 
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-"$PY" -c 'import sys, torch, transformers; print(sys.version.split()[0], "torch", torch.__version__, "cuda",
-torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else "NO GPU", "transformers",
-transformers.__version__)'
-wanted=(elastic-oneshot)
-ls .wheelhouse/llmcompressor-*.whl >/dev/null 2>&1 && wanted+=(llmcompressor)
-if ! "$PY" -m pip install -q --no-index --find-links .wheelhouse "${wanted[@]}" >"$OUT/install.log" 2>&1; then
-    echo "the resolving install failed (see install.log); installing the wheels as they are (--no-deps)"
-    "$PY" -m pip install -q --no-index --no-deps .wheelhouse/*.whl >>"$OUT/install.log" 2>&1 || {
-        tail -20 "$OUT/install.log"; exit 1; }
-fi
-"$PY" -m pip check 2>&1 | grep -v "^No broken" | sed 's/^/pip check: /' | head -10
-"$PY" -c 'import elastic_oneshot, compressed_tensors; print("elastic_oneshot from", elastic_oneshot.__file__)'
+setup() {  # [SECONDS]: the wheels of .wheelhouse/ (exact versions, resolved against the image by wheelhouse.sh)
+    # into $WORK/site, within SECONDS
+    local limit=${1:-600}
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
+    if [ -z "${TINY:-}" ] && ls .wheelhouse/*.whl >/dev/null 2>&1; then  # (--tiny: the wheels are the GPU machine's)
+        wheels=(); for w in .wheelhouse/*.whl; do [[ "$(basename "$w")" == elastic_oneshot-* ]] || wheels+=("$w"); done
+        timeout -k 3 "$limit" "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target "$WORK/site" "${wheels[@]}" >"$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; return 1; }
+        export PYTHONPATH="$PYTHONPATH:$WORK/site"
+        echo "installed ${#wheels[@]} wheels from .wheelhouse into $WORK/site"
+    else
+        echo "this environment as it is (no .wheelhouse/, or --tiny; launch/wheelhouse.sh --peer brings the peer)" \
+            | tee "$OUT/install.log"
+    fi
+    timeout -k 3 "$limit" "$PY" -c 'import sys, torch, transformers, compressed_tensors, importlib.util as u
+print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda,
+      torch.cuda.get_device_name() if torch.cuda.is_available() else "NO GPU", "transformers", transformers.__version__,
+      "llmcompressor", "yes" if u.find_spec("llmcompressor") else "no")' || echo "(the versions' check: exit $?)"
+}
+
+bench() {  # NAME LOG [bench/gpu.py arguments]
+    local name=$1 log=$2; shift 2
+    "$PY" bench/gpu.py --only "$name" --workdir "$WORK/bench" --log "$OUT/$log" --result "$OUT/result.json" "$@" \
+        2>&1 | grep -v "Writing model shards"
+}
+
+tests() {
+    "$PY" -m pytest -q -rA -p no:cacheprovider --durations=0 tests/test_cuda.py "$@" 2>&1 | tee -a "$OUT/tests.log" \
+        | grep -E "codes identical|peak GPU|committed layers|passed|failed|skipped|PASSED|FAILED|SKIPPED|ERROR|Error|^E "
+}
+
+record() {  # STEP EXIT START_S END_S DEADLINE_S: the step's outcome into result.json
+    "$PY" - "$OUT/result.json" "$@" <<'PYTHON'
+import json, os, sys
+path, step, code, start, end, deadline = sys.argv[1:]
+try:
+    data = json.load(open(path))
+except (OSError, ValueError):
+    data = {}
+data.setdefault("steps", []).append({"step": step, "exit": int(code), "cut_off": int(code) in (124, 137),
+                                     "start_s": int(start), "end_s": int(end), "deadline_s": int(deadline)})
+json.dump(data, open(path + ".tmp", "w"), indent=1)
+os.replace(path + ".tmp", path)
+PYTHON
+}
 
 case "$step" in
-    tests) ELASTIC_ONESHOT_TEST_DEVICE="${ELASTIC_ONESHOT_TEST_DEVICE:-cuda}" "$PY" -m pytest -q -rA \
-        -p no:cacheprovider --durations=0 tests/test_cuda.py "$@" 2>&1 | tee "$OUT/tests.log" \
-        | grep -E "codes identical|peak GPU|committed layers|passed|failed|skipped|PASSED|FAILED|SKIPPED|ERROR|Error|^E " ;;
-    llama3-8b|qwen3-30b-a3b) "$PY" bench/gpu.py --only "$step" --workdir /tmp/bench-gpu "$@" 2>&1 \
-        | tee "$OUT/bench-$step.log" | grep -v "Writing model shards" ;;
-    memory) "$PY" bench/gpu.py --only llama3-8b --samples 16 --memory-trace --workdir /tmp/bench-gpu "$@" 2>&1 \
-        | tee "$OUT/bench-memory.log" | grep -v "Writing model shards" ;;
-    durability) "$PY" bench/gpu.py --only llama3-8b --durability --skip-peer --workdir /tmp/bench-gpu "$@" 2>&1 \
-        | tee "$OUT/bench-durability.log" | grep -v "Writing model shards" ;;
-    all) start=$SECONDS
-        step_until() { local until=$1; shift; timeout $((until - (SECONDS - start))) bash "$0" "$@"
-            echo "== $1: exit $? at $((SECONDS - start)) s"; }
-        step_until 320 llama3-8b --durability
-        step_until 590 qwen3-30b-a3b ;;
-    *) echo "unknown step $step"; exit 2 ;;
+    all)
+        budget=420 tiny=()
+        while [ $# -gt 0 ]; do
+            case "$1" in
+                --tiny) tiny=(--tiny); shift ;;
+                --budget) budget=$2; shift 2 ;;
+                *) echo "all takes --tiny and --budget SECONDS, not $1" >&2; exit 2 ;;
+            esac
+        done
+        exec > >(tee -a "$OUT/session.log") 2>&1
+        rm -f "$OUT/result.json"
+        start=$SECONDS
+        # name, deadline in thousandths of the budget, command (the deadlines are end times: time a step leaves
+        # goes to the next)
+        if [ ${#tiny[@]} -gt 0 ]; then  # on CPU: tiny shapes, few tokens; the CUDA tests on the CPU
+            export CUDA_VISIBLE_DEVICES="" ELASTIC_ONESHOT_TEST_DEVICE=cpu TINY=1
+            sizes=(--tiny --samples 4 --seq-len 64) trace=(--tiny --samples 4 --seq-len 64 --memory-trace) workers=2
+        else
+            export ELASTIC_ONESHOT_TEST_DEVICE=cuda  # the CUDA tests fail rather than skip without a GPU
+            sizes=(--samples 128) trace=(--samples 16 --memory-trace) workers=8
+        fi
+        steps=(
+            "setup 150 setup"
+            "qwen3-30b-a3b 560 bench qwen3-30b-a3b qwen3-30b-a3b.log ${sizes[*]}"
+            "llama3-8b 915 bench llama3-8b llama3-8b.log ${sizes[*]}"
+            "memory 965 bench llama3-8b memory.log ${trace[*]}"
+            "tests 990 tests -n $workers --timeout 240"
+        )
+        for s in "${steps[@]}"; do
+            read -r name share cmd <<<"$s"
+            begun=$((SECONDS - start)) deadline=$((budget * share / 1000))
+            left=$((deadline - begun))
+            echo "== $name: from $begun s, deadline $deadline s"
+            if [ $left -lt 5 ]; then
+                echo "== $name: no time left"; record "$name" 124 "$begun" "$begun" "$deadline"; continue
+            fi
+            if [ "$name" = setup ]; then  # in this shell: its PYTHONPATH is the steps'
+                setup "$((left - 2))"; code=$?
+            else
+                timeout -k 3 "$left" bash -c "$(declare -f bench tests); $cmd" _; code=$?
+            fi
+            echo "== $name: exit $code at $((SECONDS - start)) s$([ $code = 124 ] && echo ' (cut off at its deadline)')"
+            record "$name" "$code" "$begun" "$((SECONDS - start))" "$deadline"
+            [ "$name" = setup ] && [ $code != 0 ] && { echo "setup failed: no step can run"; exit 1; }
+        done
+        echo "== session: $((SECONDS - start)) s of $budget; result.json:"
+        cat "$OUT/result.json"; echo ;;
+    setup) setup ;;
+    qwen3-30b-a3b|llama3-8b) setup && bench "$step" "$step.log" "$@" ;;
+    memory) setup && bench llama3-8b memory.log --samples 16 --memory-trace "$@" ;;
+    durability) setup && bench llama3-8b durability.log --durability --skip-peer "$@" ;;
+    tests) setup && ELASTIC_ONESHOT_TEST_DEVICE="${ELASTIC_ONESHOT_TEST_DEVICE:-cuda}" tests "$@" ;;
+    *) echo "unknown step $step" >&2; exit 2 ;;
 esac

@@ -19,12 +19,16 @@
 #   --constraints FILE  the versions to fetch where listed [launch/wheelhouse-constraints.txt: those tested here]
 #   --no-project        leave out elastic-oneshot's own wheel (built from this checkout)
 #   --dest DIR          where the wheels go; emptied first [.wheelhouse in the checkout, git-ignored]
+#   --check             only check DIR's size: the device tool carries the checkout and the wheels within 64 MiB, so
+#                       a wheelhouse over 60 MiB (WHEELHOUSE_LIMIT_MIB) is refused, here and at the end of every build
+#                       for its GPU image (the default --have)
 # Environment: PYTHON, the interpreter whose pip downloads [python3]. pip's own configuration (indexes, find-links,
 # certificates) is used, but not a configured constraint file (PIP_CONSTRAINT is cleared): it is about this machine.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 PY="${PYTHON:-python3}"
-TARGET_PYTHON="" PLATFORM="manylinux_2_39_x86_64" HAVE="$ROOT/launch/gpu-image.txt" PEER=0 PROJECT=1
+TARGET_PYTHON="" PLATFORM="manylinux_2_39_x86_64" HAVE="$ROOT/launch/gpu-image.txt" PEER=0 PROJECT=1 CHECK=0
+LIMIT_MIB="${WHEELHOUSE_LIMIT_MIB:-60}"
 CONSTRAINTS="$ROOT/launch/wheelhouse-constraints.txt"
 DEST="$ROOT/.wheelhouse"
 while [ $# -gt 0 ]; do
@@ -36,10 +40,28 @@ while [ $# -gt 0 ]; do
         --constraints) CONSTRAINTS="$2"; shift 2 ;;
         --no-project) PROJECT=0; shift ;;
         --dest) DEST="$2"; shift 2 ;;
+        --check) CHECK=1; shift ;;
         -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
         *) echo "wheelhouse.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
+check_size() {  # refuses (removes) a wheelhouse the device tool could not carry beside the checkout
+    local bytes
+    bytes=$(find "$DEST" -maxdepth 1 -name '*.whl' -printf '%s\n' | awk '{s += $1} END {print s + 0}')
+    if [ "$bytes" -gt $((LIMIT_MIB * 1048576)) ]; then
+        echo "wheelhouse.sh: $DEST holds $((bytes / 1048576)) MiB of wheels, over $LIMIT_MIB MiB: the device tool carries" \
+             "the checkout and its carried paths within 64 MiB. Removed; the largest were:" >&2
+        find "$DEST" -maxdepth 1 -name '*.whl' -printf '%s %f\n' | sort -rn | head -5 \
+            | awk '{printf "  %6.1f MiB  %s\n", $1 / 1048576, $2}' >&2
+        rm -f "$DEST"/*.whl "$DEST"/requirements.txt
+        return 1
+    fi
+    echo "wheelhouse.sh: $((bytes / 1048576)) MiB of wheels in $DEST, within $LIMIT_MIB MiB" >&2
+}
+if [ "$CHECK" = 1 ]; then
+    check_size
+    exit
+fi
 export PIP_CONSTRAINT="" PIP_NO_INPUT=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 mkdir -p "$DEST"
 DEST="$(cd "$DEST" && pwd)"
@@ -231,3 +253,6 @@ if peer == "1":
     what.append(f"llmcompressor=={wheels['llmcompressor'][0]}" if "llmcompressor" in wheels else "'llmcompressor==0.14.*'")
 print(f"python3 -m pip install --no-index --find-links {dest} {' '.join(what)}")
 PYTHON
+if [ "$HAVE" = "$ROOT/launch/gpu-image.txt" ]; then  # for the device tool's machine: carried within 64 MiB
+    check_size
+fi

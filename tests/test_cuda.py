@@ -213,3 +213,43 @@ def test_graphed_column_loop_and_device_hessian(monkeypatch):
     assert captured and captured[0] is not None, "the column loop was not captured"
     monkeypatch.setattr(gptq._GraphedLoop, "capture", lambda *a: None)
     assert torch.equal(graphed, gptq.solve(weight, prep, args))
+
+
+def test_lower_hessians_and_batched_experts_on_the_gpu(tmp_path):
+    """On the GPU itself: a Hessian kept as its lower triangle in strips of 1024 rows (bfloat16 products, fp32
+    accumulation) is the CPU's whole matrix up to summation order; an MoE layer's experts batched in one product per
+    projection (what the GPU runs) give the CPU loop's output, and their down projections' Hessians in one batched
+    product the CPU's, up to rounding."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs the GPU itself")
+    import copy
+
+    from elastic_oneshot.models.moe import Experts
+    from elastic_oneshot.models.source import SourceModel
+    from elastic_oneshot.quantization import gptq
+
+    torch.manual_seed(0)
+    d = 2500  # three strips
+    x = torch.randn(4, 128, d, device="cuda", dtype=torch.bfloat16)
+    lower, whole = gptq.Lower(d, torch.float32, "cuda"), torch.zeros(d, d)
+    gptq.hessian_add(lower, x, 128)
+    gptq.hessian_add(whole, x.cpu(), 128)
+    assert len(lower.spans) == 3 and lower.packed.numel() < 0.7 * d * d
+    assert torch.allclose(lower.dense().cpu(), gptq.symmetric(whole), rtol=1e-5, atol=1e-3)
+
+    source = SourceModel(make_moe(str(tmp_path / "moe"), experts=8, layers=1))
+    experts = next(m for m in source.load_layer(0).modules() if isinstance(m, Experts))
+    on_gpu = copy.deepcopy(experts).cuda()
+    hidden = torch.randn(256, experts[0].gate_proj.in_features)
+    weights, index = torch.softmax(torch.randn(256, len(experts)), -1).topk(2)
+    assert on_gpu._batchable(hidden.cuda()) and not experts._batchable(hidden)
+    expected = experts(hidden, index, weights)
+    assert torch.allclose(on_gpu(hidden.cuda(), index.cuda(), weights.cuda()).cpu(), expected, rtol=1e-4, atol=1e-5)
+
+    inputs = torch.randn(len(experts), 256, 64, device="cuda", dtype=torch.bfloat16)
+    stack = torch.zeros(len(experts), 64, 64, device="cuda")
+    gptq.hessian_add_batch(stack, inputs)
+    for e in range(len(experts)):
+        one = torch.zeros(64, 64)
+        gptq.hessian_add(one, inputs[e].cpu(), 256)
+        assert torch.allclose(stack[e].cpu(), gptq.symmetric(one), rtol=1e-5, atol=1e-3)

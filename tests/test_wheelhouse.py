@@ -18,7 +18,22 @@ OFFLINE = {k: v for k, v in os.environ.items() if not k.startswith("PIP_") and k
 def test_wheelhouse_script_parses_and_explains_itself():
     subprocess.run(["bash", "-n", SCRIPT], check=True)
     usage = subprocess.run([SCRIPT, "--help"], capture_output=True, text=True, check=True).stdout
-    assert "--python" in usage and "--platform" in usage and "--peer" in usage
+    assert "--python" in usage and "--platform" in usage and "--peer" in usage and "--check" in usage
+
+
+def test_a_wheelhouse_over_60_mib_is_refused(tmp_path):
+    """The device tool carries the checkout and .wheelhouse within 64 MiB: a larger wheelhouse would fail the call
+    there, after the machine's start; it is refused here (and removed), at the end of every build too."""
+    for name, mib in (("big-1.0-py3-none-any.whl", 59), ("small-1.0-py3-none-any.whl", 2)):
+        with open(tmp_path / name, "wb") as f:
+            f.truncate(mib * 2**20)
+    refused = subprocess.run([SCRIPT, "--check", "--dest", str(tmp_path)], capture_output=True, text=True)
+    assert refused.returncode != 0 and "over 60 MiB" in refused.stderr and "big-1.0" in refused.stderr
+    assert not list(tmp_path.glob("*.whl"))
+    with open(tmp_path / "small-1.0-py3-none-any.whl", "wb") as f:
+        f.truncate(2 * 2**20)
+    kept = subprocess.run([SCRIPT, "--check", "--dest", str(tmp_path)], capture_output=True, text=True)
+    assert kept.returncode == 0 and "within 60 MiB" in kept.stderr
 
 
 def registry_reachable(tmp_path) -> bool:

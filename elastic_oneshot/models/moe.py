@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import functools
 import itertools
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -107,6 +108,8 @@ class Experts(torch.nn.ModuleList):
     def forward(self, hidden_states: torch.Tensor, top_k_index=None, top_k_weights=None):
         if self.layout.stacked:
             return self._stacked(hidden_states)
+        if self._batchable(hidden_states):
+            return self._batched(hidden_states, top_k_index, top_k_weights)
         out = torch.zeros_like(hidden_states)
         for e, (top_k_pos, tokens) in enumerate(_routed(top_k_index, len(self))):
             if not (self.all_experts or tokens.numel()):
@@ -117,6 +120,64 @@ class Experts(torch.nn.ModuleList):
                 y = expert(hidden_states, rows=tokens) if self.all_experts else expert(hidden_states[tokens])
             out.index_add_(0, tokens, (y * top_k_weights[tokens, top_k_pos, None]).to(out.dtype))
         return out
+
+    def _batchable(self, x: torch.Tensor) -> bool:
+        """All experts at once (`_batched`): on an accelerator, where a loop over experts is bound by launches, for
+        experts held whole and without biases, whose modules have no hooks but calibration's pre-hooks in
+        all-experts calibration (which `_batched` calls as the loop's calls would)."""
+        if x.device.type == "cpu" or self.streamed or self.layout.bias or not self.layout.gated:
+            return False
+        modules = [m for e in self for m in (e.gate_proj, e.up_proj, e.down_proj)]
+        return not any(m._forward_hooks or (m._forward_pre_hooks and not self.all_experts) or m.weight.is_meta
+                       for m in modules)
+
+    def _batched(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        """The loop of `forward` with every expert in one batched product per projection: the routed tokens of
+        expert e in row block e, padded to the most any expert got; in all-experts calibration, gate and up on every
+        token, each module's pre-hooks called with its input as the loop's calls would (the down projections' with
+        every token). The tokens' outputs are summed in expert order, as the loop's index_add_ sums them; the products
+        are batched ones, so an accelerator's bits may differ from the loop's (the CPU runs the loop)."""
+        experts, tokens = len(self), hidden_states.shape[0]
+        slots, ids, counts = _routing(top_k_index, experts)
+        device, routed = ids.device, len(ids)
+        count = torch.tensor(counts, device=device)
+        expert = torch.repeat_interleave(torch.arange(experts, device=device), count, output_size=routed)
+        row = torch.arange(routed, device=device) - (torch.cumsum(count, 0) - count)[expert]  # within its block
+        gate, up, down = self._stacks()
+        if self.all_experts:
+            for e in self:
+                _pre_hooks(e.gate_proj, hidden_states)
+                _pre_hooks(e.up_proj, hidden_states)
+            inner = self.layout.gating(*(torch.mm(hidden_states, w.flatten(0, 1).t()).unflatten(1, w.shape[:2])
+                                         .transpose(0, 1) for w in (gate, up)))  # [experts, tokens, inner]
+            _pre_hooks_all([e.down_proj for e in self], inner)
+            padded = inner.new_zeros(experts, max(counts), inner.shape[-1])
+            padded[expert, row] = inner[expert, ids]
+        else:
+            padded = hidden_states.new_zeros(experts, max(counts), hidden_states.shape[-1])
+            padded[expert, row] = hidden_states[ids]
+            padded = self.layout.gating(torch.bmm(padded, gate.mT), torch.bmm(padded, up.mT))
+        y = torch.bmm(padded, down.mT)[expert, row]  # [routed, hidden], expert by expert
+        contributions = (y * top_k_weights[ids, slots, None]).to(hidden_states.dtype)
+        position = torch.empty_like(ids)  # of each (slot, token) among the contributions
+        position[slots * tokens + ids] = torch.arange(routed, device=device)
+        order = position.view(-1, tokens).t().sort(dim=1).values  # each token's, in expert order
+        out = torch.zeros_like(hidden_states)
+        for j in range(order.shape[1]):
+            out += contributions[order[:, j]]
+        return out
+
+    def _stacks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The experts' gate, up and down weights stacked [experts, out, in]: made once while those weights stay the
+        same tensors, unchanged (a stack per forward would move every expert's weights twice per sample)."""
+        weights = [getattr(e, n).weight for n in ("gate_proj", "up_proj", "down_proj") for e in self]
+        key = [(weakref.ref(w), _state(w)) for w in weights]
+        cached = getattr(self, "_stacked_weights", None)
+        if cached is None or len(cached[0]) != len(key) or any(
+                r() is not w or state != _state(w) for (r, state), w in zip(cached[0], weights)):
+            n = len(self)
+            cached = self._stacked_weights = key, tuple(torch.stack(weights[i * n:(i + 1) * n]) for i in range(3))
+        return cached[1]
 
     @contextlib.contextmanager
     def _held(self, e: int, device):
@@ -167,14 +228,45 @@ class Experts(torch.nn.ModuleList):
         return dict(zip(self.unfused_names(name), (part[e].contiguous() for part in parts for e in range(len(self)))))
 
 
-def _routed(top_k_index: torch.Tensor, experts: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per expert, the top-k slots and tokens routed to it, in slot-then-token order, from one sort and one count:
-    one device-to-host wait per forward, where a search per expert waits once per expert on a GPU."""
+def _routing(top_k_index: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """The top-k slots and tokens of every routing, expert by expert (within one, in slot-then-token order), and each
+    expert's count, from one sort and one count: one device-to-host wait per forward, where a search per expert
+    waits once per expert on a GPU."""
     tokens = top_k_index.shape[0]
     order = torch.argsort(top_k_index.t().reshape(-1), stable=True)  # slot-major positions, grouped by expert
     counts = torch.bincount(top_k_index.reshape(-1), minlength=experts).tolist()
-    slots, ids = order // tokens, order % tokens
+    return order // tokens, order % tokens, counts
+
+
+def _routed(top_k_index: torch.Tensor, experts: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per expert, the top-k slots and tokens routed to it (`_routing`'s, split)."""
+    slots, ids, counts = _routing(top_k_index, experts)
     return [(slots[s:s + n], ids[s:s + n]) for s, n in zip(itertools.accumulate([0, *counts]), counts)]
+
+
+def _state(w: torch.Tensor) -> tuple:
+    """What changes when a tensor's values may have: written in place (its version; inference tensors keep none),
+    or given other data."""
+    return None if w.is_inference() else w._version, w.dtype, w.device, w.data_ptr()
+
+
+def _pre_hooks(module: torch.nn.Module, x: torch.Tensor):
+    """What calling `module` on `x` would run before its forward: its forward pre-hooks (calibration's)."""
+    for hook in module._forward_pre_hooks.values():
+        hook(module, (x,))
+
+
+def _pre_hooks_all(modules: list[torch.nn.Module], x: torch.Tensor):
+    """`_pre_hooks` of each module with x[i]: at once where each has one hook of one calibration, which observes
+    them all in one batched product (loop.calibration.Calibration.observe_all)."""
+    hooks = [list(m._forward_pre_hooks.values()) for m in modules]
+    observe_all = getattr(hooks[0][0], "observe_all", None) if hooks and len(hooks[0]) == 1 else None
+    if observe_all is not None and all(len(h) == 1 and getattr(h[0], "observe_all", None) == observe_all
+                                       for h in hooks):
+        observe_all([h[0] for h in hooks], x)
+        return
+    for module, xi in zip(modules, x):
+        _pre_hooks(module, xi)
 
 
 def make_quantizable(model: torch.nn.Module, layout_of: Callable[[torch.nn.Module], Layout | None]):

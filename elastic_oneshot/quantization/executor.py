@@ -35,7 +35,7 @@ from elastic_oneshot.quantization.recipe import Recipe
 log = logging.getLogger("elastic_oneshot")
 
 
-def _batches(items: list, key, size, limit: int = 2**27) -> list[list]:
+def _batches(items: list, key, size, limit: int) -> list[list]:
     """Items of equal `key` in batches whose total `size` (elements) stays under `limit`, in order."""
     out, open_ = [], {}
     for item in items:
@@ -45,6 +45,12 @@ def _batches(items: list, key, size, limit: int = 2**27) -> list[list]:
             out.append(batch)
         batch.append(item)
     return out
+
+
+def _normalized(hessian, num_samples: int):
+    """The Hessian divided by the sample count in place (a copy would be a GPU's peak)."""
+    gptq.packed(hessian).div_(num_samples)
+    return hessian
 
 
 def _wait(works):
@@ -97,23 +103,25 @@ class Executor:
         self.owners = plan.owners()
         self.spread = {s.group.name for s in plan.steps if s.kind == StepKind.PANEL}  # every rank factors a piece
         wholes = [s for s in plan.steps if s.kind == StepKind.WHOLE and s.rank == world.rank]
+        limit = gptq.SOLVE_ELEMENTS if world.device.type == "cpu" else gptq.DEVICE_SOLVE_ELEMENTS
         self.batch_of = {id(s): b for b in _batches(wholes, self._batch_key,
-                                                    lambda s: s.group.cols * (s.group.rows + s.group.cols)) for s in b}
+                                                    lambda s: s.group.cols * (s.group.rows + s.group.cols), limit)
+                         for s in b}
         self.hessian: dict[str, torch.Tensor] = {}  # normalized, of the groups this rank factors
         self.shared: dict[str, SharedFactor] = {}
         self.results: dict[str, torch.Tensor] = {}  # every group's solved rows (a shared group's, step by step)
         self.pending: list = []  # broadcasts of results
         self.damping: dict[Group, float | None] = {}
 
-    def run(self, hessians: dict[str, torch.Tensor], num_samples: int, ranges: dict | None = None
-            ) -> dict[str, torch.Tensor]:
-        """Every group's solved weight, from this rank's Hessian sums (group name -> [d, d], cleared here: only
-        the normalized ones are kept); `ranges` (calibration.Calibration's) reduced over all ranks in place."""
-        works = [self.world.all_reduce(hessians[g.name]) if g.name in self.spread else
-                 self.world.reduce_to(hessians[g.name], self.owners[g.name]) for g in self.groups]
+    def run(self, hessians: dict, num_samples: int, ranges: dict | None = None) -> dict[str, torch.Tensor]:
+        """Every group's solved weight, from this rank's Hessian sums (group name -> gptq.Lower, or the whole
+        [d, d] matrix; cleared here: only the normalized ones are kept, each until its fp32 copy is made);
+        `ranges` (calibration.Calibration's) reduced over all ranks in place."""
+        works = [self.world.all_reduce(gptq.packed(hessians[g.name])) if g.name in self.spread else
+                 self.world.reduce_to(gptq.packed(hessians[g.name]), self.owners[g.name]) for g in self.groups]
         self._reduce_ranges(ranges or {})
         _wait(works)
-        self.hessian = {g.name: hessians[g.name].div_(num_samples) for g in self.groups  # in place: a GPU's peak
+        self.hessian = {g.name: _normalized(hessians[g.name], num_samples) for g in self.groups
                         if self.owners[g.name] == self.world.rank or g.name in self.spread}
         hessians.clear()
         do = {StepKind.WHOLE: self.whole, StepKind.FACTOR: self.factor, StepKind.PANEL: self.panel,
@@ -131,8 +139,9 @@ class Executor:
             self.results[g.name] = self._empty(g.rows, g.cols, dtype=self._dtype(g))
         elif g.name not in self.results:  # else solved with an earlier step of its batch
             batch = self.batch_of[id(s)]
-            # factor, then invert, with no frame holding the fp64 sums: factor lets them go first
-            prep = gptq.invert(gptq.factor(gptq.as_batch([self.hessian.pop(o.group.name) for o in batch]),
+            # factor, then invert, with nothing else holding the Hessians: each fp64 sum goes as its fp32 copy is
+            # made, and factor works on those in place
+            prep = gptq.invert(gptq.factor([gptq.dense(self.hessian.pop(o.group.name)) for o in batch],
                                            self.args[g.name].actorder, self.frac))
             r = self._solve(batch, prep, self._empty(len(batch), g.rows, g.cols, dtype=self._dtype(g)))
             for i, o in enumerate(batch):
@@ -145,7 +154,7 @@ class Executor:
         """A shared group's factor, on one rank, to every rank."""
         g = s.group
         if s.rank == self.world.rank:
-            factored = gptq.factor(self.hessian.pop(g.name)[None], self.args[g.name].actorder, self.frac)
+            factored = gptq.factor([gptq.dense(self.hessian.pop(g.name))], self.args[g.name].actorder, self.frac)
             self._note(g, factored.damping[0])
             matrix, meta = factored.pack()
         else:
@@ -200,8 +209,7 @@ class Executor:
     def _spread(self, g: Group) -> SharedFactor:
         """A spread group's factor: this rank's copy of the column pieces, from the all-reduced Hessian."""
         if g.name not in self.shared:
-            h, perm, dead, _ = gptq.order(self.hessian[g.name][None].to(torch.float32, copy=True),
-                                          self.args[g.name].actorder)
+            h, perm, dead, _ = gptq.order(gptq.dense(self.hessian[g.name])[None], self.args[g.name].actorder)
             starts = [start for start, _ in cholesky_panels(g.cols)]
             matrix = torch.zeros(1, g.cols, g.cols, device=self.world.device)
             self.shared[g.name] = SharedFactor(
@@ -217,7 +225,7 @@ class Executor:
             _wait([work for _, work in f.inverse.values()])
             spans = inverse_pieces(g.cols)
             if g.name in self.spread and matrix.isnan().any():  # not positive definite: every rank retries alone
-                f.prepared = gptq.prepare(self.hessian[g.name][None], self.args[g.name].actorder, self.frac)
+                f.prepared = gptq.prepare(gptq.dense(self.hessian[g.name])[None], self.args[g.name].actorder, self.frac)
             elif spans:
                 order = gptq.Factored.unpack(f.matrix, f.meta)
                 hinv = assemble([f.inverse[start][0] for start, _ in spans], g.cols)
@@ -231,7 +239,7 @@ class Executor:
         each pass's rows taken from the modules' weights as it starts: no copy of a whole group's rows is made
         (an MoE layer's gate/up group, shared by every expert in all-experts calibration, holds all of theirs)."""
         args, (scale, zero_point) = self.args[steps[0].group.name], self._scales(steps)
-        for lo, hi in gptq.passes(*out.shape):
+        for lo, hi in gptq.passes(*out.shape, out.device):
             rows = gptq.as_batch([self._rows(s, lo, hi) for s in steps])
             gptq.solve(rows, prep, args, self.block, scale[:, lo:hi],
                        None if zero_point is None else zero_point[:, lo:hi], out=out[:, lo:hi])

@@ -12,6 +12,7 @@ three fp32 steps).
 """
 
 import dataclasses
+import itertools
 import logging
 import math
 from typing import NamedTuple
@@ -33,52 +34,125 @@ from elastic_oneshot.quantization.cholesky import (
 
 log = logging.getLogger(__name__)
 DAMPING_RETRIES = 3  # each retry multiplies the damping fraction by 10
-SOLVE_ELEMENTS = 2**27  # weights per pass of `solve`
+SOLVE_ELEMENTS = 2**27  # weights per pass of `solve` on the host (a pass's fp32 copies, 512 MB each at most)
+DEVICE_SOLVE_ELEMENTS = 2**29  # and on an accelerator, where each pass is ~10 launches per column (2 GB copies)
 
 
-HESSIAN_BLOCK = 192  # row blocks of the lower triangle
+HESSIAN_BLOCK = 192  # rows per block of the lower triangle on the host
+DEVICE_STRIP = 1024  # rows per strip of a Lower on an accelerator, where launches, not FLOPs, bound the strips
 
 
-def hessian_add(acc: torch.Tensor, x: torch.Tensor, seq_len: int):
-    """acc (fp32) += sum over the sequences in `x` of 2 X^T X (normalized later by the sample count), in
-    its lower triangle, by row blocks (above the diagonal blocks nothing is written): `symmetric`
-    completes it. `x` is [batch, tokens, features], or [tokens, features] from modules that see tokens
-    flattened (MoE experts): then whole sequences of `seq_len` tokens when it holds whole sequences,
-    else one set.
+class Lower:
+    """A symmetric [d, d] matrix held as its lower triangle: row strips [start:end, :end], each with its diagonal
+    block whole, packed in one buffer (`packed`). About half the memory of the whole matrix, and one contiguous
+    tensor for collectives and elementwise work: a chunk's partial sums (fp32) fold into the total (fp64) of the
+    same strips with one add. Strips of HESSIAN_BLOCK rows on the host (hessian_add's row blocks), DEVICE_STRIP on
+    an accelerator."""
+
+    def __init__(self, d: int, dtype: torch.dtype, device, packed: torch.Tensor | None = None):
+        """`packed`: the buffer to use (`size` elements, zeros), a view of a larger one, say; else a new one."""
+        rows = HESSIAN_BLOCK if torch.device(device).type == "cpu" else DEVICE_STRIP
+        self.d = d
+        self.spans = [(r, min(r + rows, d)) for r in range(0, d, rows)]
+        self.offsets = list(itertools.accumulate(((e - r) * e for r, e in self.spans), initial=0))
+        self.packed = torch.zeros(self.offsets[-1], dtype=dtype, device=device) if packed is None else packed
+
+    @staticmethod
+    def size(d: int, device) -> int:
+        """The elements of a Lower of d columns on `device`."""
+        rows = HESSIAN_BLOCK if torch.device(device).type == "cpu" else DEVICE_STRIP
+        return sum((min(r + rows, d) - r) * min(r + rows, d) for r in range(0, d, rows))
+
+    def strip(self, i: int) -> torch.Tensor:
+        """Rows spans[i] of the matrix, columns up to the strip's end: a view of `packed`."""
+        r, e = self.spans[i]
+        return self.packed[self.offsets[i]:self.offsets[i + 1]].view(e - r, e)
+
+    def dense(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The whole symmetric matrix in `dtype`: each strip cast into place, every entry above the diagonal
+        (in the diagonal blocks too) the one below it, mirrored."""
+        out = self.packed.new_empty(self.d, self.d, dtype=dtype)
+        for i, (r, e) in enumerate(self.spans):
+            out[r:e, :e] = self.strip(i)
+            block = out[r:e, r:e]
+            block.copy_(symmetric(block))
+        for r, e in self.spans:
+            out[r:e, e:] = out[e:, r:e].mT
+        return out
+
+
+def packed(hessian: "Lower | torch.Tensor") -> torch.Tensor:
+    """The tensor that holds a Hessian's entries (for collectives and normalizing): a Lower's buffer, or the
+    whole matrix."""
+    return hessian.packed if isinstance(hessian, Lower) else hessian
+
+
+def dense(hessian: "Lower | torch.Tensor") -> torch.Tensor:
+    """A Hessian, whole or as its Lower, as a new whole fp32 matrix."""
+    return hessian.dense(torch.float32) if isinstance(hessian, Lower) else hessian.to(torch.float32, copy=True)
+
+
+def hessian_add(acc: "Lower | torch.Tensor", x: torch.Tensor, seq_len: int):
+    """acc (fp32) += sum over the sequences in `x` of 2 X^T X (normalized later by the sample count), in its
+    lower triangle: a Lower's strips, or a whole matrix's row blocks (above the diagonal blocks nothing is
+    written: `symmetric` completes it). `x` is [batch, tokens, features], or [tokens, features] from modules
+    that see tokens flattened (MoE experts): then whole sequences of `seq_len` tokens when it holds whole
+    sequences, else one set.
 
     The terms are computed and summed as the peer does (fp32, scaled by sqrt 2, same operand layout, one
     sequence after another): GPTQ's rounding decisions are chaotic in the Hessian's last bits. Computing
     the triangle by row blocks takes 0.56-0.67x the FLOPs of the full product, and on MKL its entries
     equal the full product's bit for bit (the full product is exactly symmetric there). The caller sums
     these fp32 partials per chunk into an fp64 total, so that the total hardly depends on how chunks are
-    split across ranks. On a GPU see `_hessian_add_device`.
+    split across ranks. On an accelerator see `_hessian_add_device`.
     """
-    if x.is_cuda:
+    if x.device.type != "cpu":
         return _hessian_add_device(acc, x)
     if x.dim() > 2:
         x = x.reshape(-1, *x.shape[-2:])
     else:
         x = x.reshape(-1, seq_len, x.shape[-1]) if x.shape[0] % seq_len == 0 else x.unsqueeze(0)
-    d = x.shape[-1]
+    spans = _spans(acc, HESSIAN_BLOCK)
     for seq in x:
         inp = math.sqrt(2) * seq.t().to(torch.float32)
-        for r in range(0, d, HESSIAN_BLOCK):
-            e = min(r + HESSIAN_BLOCK, d)
-            acc[r:e, :e] += inp[r:e].matmul(inp[:e].t())
+        for i, (r, e) in enumerate(spans):
+            _rows(acc, i, r, e).add_(inp[r:e].matmul(inp[:e].t()))
 
 
-def _hessian_add_device(acc: torch.Tensor, x: torch.Tensor):
-    """`hessian_add` on a GPU, where launches, not FLOPs, bound the row-block loop: the whole product at once.
-    bf16 and fp16 inputs are multiplied in their own type into fp32 (their products are exact in fp32, so
-    this is the fp32 product, summed in cuBLAS's order, at tensor-core speed); fp32 inputs one sequence
-    after another, scaled by sqrt 2, as the peer does."""
+def _hessian_add_device(acc: "Lower | torch.Tensor", x: torch.Tensor):
+    """`hessian_add` on an accelerator, where launches, not FLOPs, bound a loop of row blocks: a Lower's strips
+    of DEVICE_STRIP rows, or a whole matrix's whole product. bf16 and fp16 inputs are multiplied in their own
+    type into fp32 (their products are exact in fp32, so this is the fp32 product, summed in cuBLAS's order, at
+    tensor-core speed); fp32 inputs one sequence after another, scaled by sqrt 2, as the peer does."""
+    spans = _spans(acc, x.shape[-1])
     if x.dtype in (torch.bfloat16, torch.float16):
         flat = x.reshape(-1, x.shape[-1])
-        acc.add_(torch.mm(flat.t(), flat, out_dtype=torch.float32), alpha=2)
+        for i, (r, e) in enumerate(spans):
+            _rows(acc, i, r, e).add_(torch.mm(flat[:, r:e].t(), flat[:, :e], out_dtype=torch.float32), alpha=2)
         return
     for seq in x.reshape(-1, *x.shape[-2:]) if x.dim() > 2 else [x]:
         inp = math.sqrt(2) * seq.t().to(torch.float32)
-        acc += inp.matmul(inp.t())
+        for i, (r, e) in enumerate(spans):
+            _rows(acc, i, r, e).add_(inp[r:e].matmul(inp[:e].t()))
+
+
+def hessian_add_batch(acc: torch.Tensor, x: torch.Tensor):
+    """`hessian_add` on an accelerator for a batch of modules' inputs x [B, tokens, d] (each one set of tokens), into
+    acc [B, d, d] (each a whole matrix, or a Lower of one strip): one batched product for all of them."""
+    if x.dtype in (torch.bfloat16, torch.float16):
+        acc.add_(torch.bmm(x.mT, x, out_dtype=torch.float32), alpha=2)
+        return
+    inp = math.sqrt(2) * x.to(torch.float32)
+    acc += torch.bmm(inp.mT, inp)
+
+
+def _spans(acc: "Lower | torch.Tensor", rows: int) -> list[tuple[int, int]]:
+    d = acc.d if isinstance(acc, Lower) else acc.shape[-1]
+    return acc.spans if isinstance(acc, Lower) else [(r, min(r + rows, d)) for r in range(0, d, rows)]
+
+
+def _rows(acc: "Lower | torch.Tensor", i: int, r: int, e: int) -> torch.Tensor:
+    return acc.strip(i) if isinstance(acc, Lower) else acc[r:e, :e]
 
 
 def symmetric(lower: torch.Tensor) -> torch.Tensor:
@@ -86,10 +160,14 @@ def symmetric(lower: torch.Tensor) -> torch.Tensor:
     return lower.tril() + lower.tril(-1).mT
 
 
-def fold(total: torch.Tensor, lower: torch.Tensor):
-    """total (fp64) += `symmetric(lower)` (a chunk's fp32 `hessian_add` sums), by row blocks: no temporary the
-    size of either (an attention output's Hessian of 16384 inputs is 1 GiB in fp32). `lower` is made
-    symmetric in place (above its diagonal it held nothing the total needs)."""
+def fold(total: "Lower | torch.Tensor", lower: "Lower | torch.Tensor"):
+    """total (fp64) += a chunk's fp32 `hessian_add` sums, in place: two Lowers' buffers added, or whole matrices
+    by row blocks with `symmetric(lower)`, no temporary the size of either (an attention output's Hessian of
+    16384 inputs is 1 GiB in fp32; `lower` is made symmetric in place: above its diagonal it held nothing the
+    total needs)."""
+    if isinstance(total, Lower):
+        total.packed += lower.packed
+        return
     d = lower.shape[-1]
     for r in range(0, d, HESSIAN_BLOCK):
         e = min(r + HESSIAN_BLOCK, d)
@@ -207,10 +285,11 @@ def order(H: torch.Tensor, actorder):
     the order, the dead columns, and which Hessians no token reached."""
     batch, cols, _ = H.shape
     diag = torch.diagonal(H, dim1=-2, dim2=-1)
-    if actorder:
+    if actorder:  # permuted into H itself: one copy at a time besides it
         perm = torch.argsort(diag, dim=-1, descending=True)
-        H = torch.gather(H, -1, perm.unsqueeze(-2).expand(-1, cols, -1))
-        H = torch.gather(H, -2, perm.unsqueeze(-1).expand(-1, -1, cols))
+        columns = torch.gather(H, -1, perm.unsqueeze(-2).expand(-1, cols, -1))
+        torch.gather(columns, -2, perm.unsqueeze(-1).expand(-1, -1, cols), out=H)
+        del columns
     else:
         perm = torch.arange(cols, device=H.device).expand(batch, cols).contiguous()
     diag = torch.diagonal(H, dim1=-2, dim2=-1)
@@ -227,13 +306,15 @@ def damp(h: torch.Tensor, frac: float) -> torch.Tensor:
     return damped
 
 
-def factor(hessian: torch.Tensor, actorder, dampening_frac: float = 0.01) -> Prepared | Factored:
-    """The first O(d^3) step for a batch of Hessians [B, d, d]: activation order, dead columns, and the
-    damped inverse's upper Cholesky factor; for wide ones (cholesky.cholesky_panels) only the Cholesky
-    factor, which `invert` completes. Not positive definite: retried with more damping. No token reached
-    it (all zero), or no damping helped: round-to-nearest (an identity factor)."""
-    H = hessian.to(torch.float32, copy=True)
-    del hessian  # the caller's fp64 total (twice H's memory), let go before ordering copies H: wide ones' peak
+def factor(hessian: torch.Tensor | list[torch.Tensor], actorder, dampening_frac: float = 0.01
+           ) -> Prepared | Factored:
+    """The first O(d^3) step for a batch of Hessians [B, d, d] (or a list of [d, d] fp32 ones, handed over: the
+    list is emptied and they are worked on in place, so that no copy of them outlives this): activation order,
+    dead columns, and the damped inverse's upper Cholesky factor; for wide ones (cholesky.cholesky_panels) only
+    the Cholesky factor, which `invert` completes. Not positive definite: retried with more damping. No token
+    reached it (all zero), or no damping helped: round-to-nearest (an identity factor)."""
+    H = as_batch(hessian).to(torch.float32) if isinstance(hessian, list) else hessian.to(torch.float32, copy=True)
+    del hessian
     H, perm, dead, untouched = order(H, actorder)
     cols = H.shape[-1]
     wide = bool(cholesky_panels(cols))
@@ -294,7 +375,7 @@ def solve(weight: torch.Tensor, prep: Prepared, args: QuantizationArgs, block_si
     if scale is None:
         scale, zero_point = qparams(weight, args)
         zero_point = None if args.symmetric else zero_point
-    ranges = passes(*weight.shape)
+    ranges = passes(*weight.shape, weight.device)
     if out is None and len(ranges) == 1:
         return _solve_rows(weight, prep, args, block_size, scale, zero_point)
     out = torch.empty_like(weight) if out is None else out
@@ -305,10 +386,11 @@ def solve(weight: torch.Tensor, prep: Prepared, args: QuantizationArgs, block_si
     return out
 
 
-def passes(batch: int, rows: int, cols: int) -> list[tuple[int, int]]:
-    """The row ranges `solve` takes at a time: at most SOLVE_ELEMENTS weights of the batch each (a pass's fp32
-    copies of them, 512 MB each at most)."""
-    step = max(1, SOLVE_ELEMENTS // (batch * cols))
+def passes(batch: int, rows: int, cols: int, device="cpu") -> list[tuple[int, int]]:
+    """The row ranges `solve` takes at a time: at most SOLVE_ELEMENTS weights of the batch each on the host,
+    DEVICE_SOLVE_ELEMENTS on an accelerator (rows are independent: the passes do not change the bits)."""
+    limit = SOLVE_ELEMENTS if torch.device(device).type == "cpu" else DEVICE_SOLVE_ELEMENTS
+    step = max(1, limit // (batch * cols))
     return [(lo, min(lo + step, rows)) for lo in range(0, rows, step)]
 
 
@@ -332,7 +414,7 @@ def _solve_rows(weight: torch.Tensor, prep: Prepared, args: QuantizationArgs, bl
         window = g_idx[:, i1:i2].unsqueeze(-2).expand(-1, rows, -1)
         block = [W[:, :, i1:i2].clone(), torch.zeros(batch, rows, i2 - i1, device=W.device), Hinv[:, i1:i2, i1:i2],
                  torch.gather(scale, -1, window), None if zero_point is None else torch.gather(zero_point, -1, window)]
-        if graphed is None and W.is_cuda and full and cols > block_size:
+        if graphed is None and _graphable(W) and full and cols > block_size:
             graphed = _GraphedLoop.capture(block, column_args) or False
         W1, Err1 = graphed(block) if graphed and full else _column_loop(*block, column_args)
         W[:, :, i1:i2] = W1
@@ -341,6 +423,10 @@ def _solve_rows(weight: torch.Tensor, prep: Prepared, args: QuantizationArgs, bl
     if args.actorder:
         W = torch.gather(W, -1, torch.argsort(perm, dim=-1).unsqueeze(-2).expand(-1, rows, -1))
     return W.to(weight.dtype)
+
+
+def _graphable(W: torch.Tensor) -> bool:
+    return W.is_cuda
 
 
 def _column_loop(W1, Err1, Hinv1, col_scale, col_zp, column_args) -> tuple[torch.Tensor, torch.Tensor]:
