@@ -545,12 +545,15 @@ def _owners(groups: list[Group], world_size: int, cost: Callable[[Group], float]
 
 
 def _hessians(world: World, calib: Calibration, groups: list[Group], owners: dict, num_samples: int) -> dict:
-    """Each group's Hessian on its owner (summed over the ranks, divided by the number of samples), fp64 [d, d]:
-    the one place that reads calibration's Hessians outside GPTQ's executor."""
-    works = [world.reduce_to(calib.hessian[g.name], owners[g.name]) for g in groups]
+    """Each group's Hessian on its owner (summed over the ranks, divided by the number of samples), a whole fp32
+    [d, d] matrix: the one place that reads calibration's Hessians (gptq.Lower) outside GPTQ's executor."""
+    works = [world.reduce_to(gptq.packed(calib.hessian[g.name]), owners[g.name]) for g in groups]
     for work in works:
         _wait(work)
-    return {g.name: calib.hessian[g.name].div_(num_samples) for g in groups if owners[g.name] == world.rank}
+    mine = [g.name for g in groups if owners[g.name] == world.rank]
+    for name in mine:
+        gptq.packed(calib.hessian[name]).div_(num_samples)
+    return {name: gptq.dense(calib.hessian[name]) for name in mine}
 
 
 def _wait(work):

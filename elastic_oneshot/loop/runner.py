@@ -477,9 +477,10 @@ class Runner:
 
 
 class Passes:
-    """A recipe's passes (loop/passes.py), run in order, each by a runner of its own (`make(index, earlier)`,
-    made when first reached, the first at once: `earlier` pairs the passes before it with their protocols). At every (re)start of the
-    workers every pass begins an epoch of its own state: a finished one verifies its commits and ends at once. A pass
+    """A recipe's passes (loop/passes.py), run in order, each by a runner of its own (`make(index, earlier)`, made
+    when first reached, the first at once: `earlier` pairs the passes before it with their protocols). At every
+    (re)start of the workers every pass begins an epoch of its own state: a finished one verifies its commits and ends
+    at once. A pass
     that finds a committed layer of an earlier one damaged (Again) runs that pass again (which redoes the layer, to
     the same bits), then the passes after it."""
 
