@@ -1,5 +1,5 @@
-"""The recipes users run (issue 46's table), as our YAML and as llmcompressor 0.14's modifier objects, and the checks
-of an output against the peer's: shared by test_recipe_parity.py and test_recipe_resume.py."""
+"""Our run of a recipe of issue 46's table (elastic_oneshot/testing/recipes.py) and the checks of an output against
+the peer's: shared by test_recipe_parity.py and test_recipe_resume.py."""
 
 import json
 import os
@@ -12,41 +12,12 @@ from safetensors.torch import load_file
 from elastic_oneshot.durability.coordinator import open_records
 from elastic_oneshot.durability.protocol import CommitProtocol
 from elastic_oneshot.durability.state import StateStore
+from elastic_oneshot.testing.recipes import recipe_yaml
 
-# name -> the modifiers, as YAML lines; {ignore} is the quantizer's ignore list, {sparse_ignore} SparseGPT's (the
-# peer's SparseGPT matches lm_head's name with a dot after it: only a regex ignores it); {w4a16} and {w4a16_asym} the
-# presets, or at another group size than theirs (SmolLM2's 576 columns) their config groups
-RECIPES = {
-    "smoothquant_w8a8": ["SmoothQuantModifier: {{smoothing_strength: 0.8}}",
-                         "GPTQModifier: {{scheme: W8A8, targets: [Linear], ignore: {ignore}}}"],
-    "fp8_dynamic": ["QuantizationModifier: {{scheme: FP8_DYNAMIC, targets: [Linear], ignore: {ignore}}}"],
-    "nvfp4": ["QuantizationModifier: {{scheme: NVFP4, targets: [Linear], ignore: {ignore}}}"],
-    "awq_w4a16_asym": ["AWQModifier: {{}}", "QuantizationModifier: {{{w4a16_asym}, ignore: {ignore}}}"],
-    "sparse_2of4_fp8": ["SparseGPTModifier: {{sparsity: 0.5, mask_structure: '2:4', ignore: {sparse_ignore}}}",
-                        "QuantizationModifier: {{scheme: FP8_DYNAMIC, targets: [Linear], ignore: {ignore}}}"],
-    "w4a16": ["GPTQModifier: {{{w4a16}, ignore: {ignore}}}"],
-}
 # transformers 5.17 loads none of these formats for Qwen3-MoE's experts stored one by one (nor the peer's output: it
 # fails to convert them, or leaves the experts missing): our export refuses them, so their parity is checked on the
 # committed layers
 UNLOADABLE_MOE = ("smoothquant_w8a8", "nvfp4", "awq_w4a16_asym")
-
-
-def recipe_yaml(name: str, moe: bool = False, group: int = 128) -> str:
-    ignore = ["lm_head"] + (["re:.*mlp.gate$"] if moe else [])
-    w4 = {sym: ("scheme: W4A16" + ("" if sym else "_ASYM")) if group == 128 else
-          "config_groups: {group_0: {targets: [Linear], weights: {num_bits: 4, type: int, symmetric: "
-          f"{str(sym).lower()}, strategy: group, group_size: {group}}}}}}}" for sym in (True, False)}
-    lines = [line.format(ignore=json.dumps(ignore), sparse_ignore=json.dumps(["re:.*lm_head", *ignore[1:]]),
-                         w4a16=w4[True], w4a16_asym=w4[False]) for line in RECIPES[name]]
-    return "recipe_stage:\n  recipe_modifiers:\n" + "".join(f"    {line}\n" for line in lines)
-
-
-def peer_recipe(name: str, moe: bool = False, group: int = 128):
-    """The peer's modifiers of the same recipe, read from the same YAML by llmcompressor itself."""
-    from llmcompressor.recipe import Recipe
-
-    return Recipe.create_instance(recipe_yaml(name, moe, group)).modifiers
 
 
 def run_ours(model: str, out, name: str, samples: int, seq_len: int, moe: bool = False, group: int = 128,

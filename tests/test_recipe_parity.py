@@ -13,15 +13,14 @@ import torch
 from elastic_oneshot.models.default_model import default_model
 from elastic_oneshot.surface.evaluate import perplexity
 from elastic_oneshot.testing.peer import run_recipe
+from elastic_oneshot.testing.recipes import RECIPES, peer_recipe
 from elastic_oneshot.testing.tiny import make_model, make_moe
 from tests.peer_modifiers import one_thread  # noqa: F401 (a fixture)
 from tests.recipe_cases import (
-    RECIPES,
     UNLOADABLE_MOE,
     checkpoint,
     committed,
     loads_and_generates,
-    peer_recipe,
     pruned,
     run_ours,
     same_config,

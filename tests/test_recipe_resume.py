@@ -9,9 +9,9 @@ import time
 
 import pytest
 
+from elastic_oneshot.testing.recipes import recipe_yaml
 from elastic_oneshot.testing.runs import assert_same_bits, one_thread_env, run_cli, torchrun_cmd, workers
 from elastic_oneshot.testing.tiny import make_model
-from tests.recipe_cases import recipe_yaml
 
 LAYERS = 8
 JOB = ["--num-samples", 24, "--seq-len", 128, "--chunk-size", 4]
