@@ -5,6 +5,7 @@ folded weights bit for bit; the choice the same for any split of the samples acr
 import pytest
 import torch
 
+from elastic_oneshot.models import mappings
 from elastic_oneshot.models.family import family_for
 from elastic_oneshot.quantization import awq, smoothing
 from elastic_oneshot.quantization.recipe import AWQ, RTN, Recipe
@@ -70,7 +71,7 @@ def awq_layer_by_layer(path: str, r: Recipe, ranks: int = 1, layers: int | None 
     ids = tokens(path)
     schemes = r.module_schemes(model, family_for(model.config))
     (stage,) = r.stages
-    mappings = awq.resolve(model, awq.default_mappings(model.config.architectures[0]), schemes, stage.duo_scaling)
+    mappings = awq.resolve(model, family_for(model.config).awq_mappings(model.config), schemes, stage.duo_scaling)
     for index in range(layers or model.config.num_hidden_layers):
         layer_step(model, ids, [m for m in mappings if m.smooth.startswith(f"model.layers.{index}.")], schemes, stage,
                    ranks)
@@ -106,13 +107,13 @@ def test_default_mappings_resolve_as_the_peers(llama):
         schemes = r.module_schemes(model, family_for(model.config))
         QuantizationModifier(scheme="W4A16", ignore=["lm_head"]).initialize_quantization(model)
         peer = AWQModifier()
-        peer.mappings = awq.default_mappings("LlamaForCausalLM")
+        peer.mappings = mappings.awq_mappings("LlamaForCausalLM")
         peer.mappings = [type("M", (), dict(smooth_layer=s, balance_layers=list(b), activation_hook_target=t))
                          for s, b, t in peer.mappings]
         peer._set_resolved_mappings(model)
         theirs = [awq.Mapping(m.smooth_name, tuple(m.balance_names), m.parent_name, m.balance_names[0])
                   for m in peer._resolved_mappings]
-        ours = awq.resolve(model, awq.default_mappings("LlamaForCausalLM"), schemes)
+        ours = awq.resolve(model, mappings.awq_mappings("LlamaForCausalLM"), schemes)
         assert ours == theirs and len(ours) == 4 * 4 - (kv_heads == 2)
         assert get_lowest_common_ancestor_with_avoid([ours[0].balance[0]], model)[0] == ours[0].balance[0]
 
@@ -121,7 +122,7 @@ def test_a_tensor_scheme_refuses_duo_scaling(llama):
     model = load(llama)
     r = recipe("FP8", True)
     with pytest.raises(Exception, match="duo_scaling needs weights quantized by channel or group"):
-        awq.resolve(model, awq.default_mappings("LlamaForCausalLM"), r.module_schemes(model, family_for(model.config)))
+        awq.resolve(model, mappings.awq_mappings("LlamaForCausalLM"), r.module_schemes(model, family_for(model.config)))
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ from elastic_oneshot.models.family import Family, family_for
 from elastic_oneshot.quantization import gptq
 from elastic_oneshot.quantization.packing import compress_module, decompress_module
 from elastic_oneshot.quantization.recipe import Recipe
-from elastic_oneshot.quantization.recipe_loader import load_recipe
+from elastic_oneshot.quantization.recipe_loader import read_recipe
 from elastic_oneshot.quantization.schemes import PRESETS as ALL_PRESETS
 from elastic_oneshot.quantization.schemes import input_qparams
 from elastic_oneshot.surface.cli import SCHEMES
@@ -135,7 +135,7 @@ def stage(modifier: str) -> str:
 
 
 def test_mixed_recipe_round_trips_and_writes_the_peers_config():
-    recipe = load_recipe(stage(f"config_groups: {json.dumps(MIXED)}"))
+    recipe = read_recipe(stage(f"config_groups: {json.dumps(MIXED)}"))
     assert recipe.scheme == "custom" and Recipe.from_dict(json.loads(json.dumps(recipe.to_dict()))) == recipe
     model = skeleton()
     schemes = recipe.module_schemes(model, family_for(model.config))
@@ -149,8 +149,8 @@ def test_mixed_recipe_round_trips_and_writes_the_peers_config():
 
 def test_presets_keep_the_job_identity():
     assert "config_groups" not in Recipe().to_dict()  # the W4A16 job's fingerprint is what it was
-    assert load_recipe(stage("scheme: NVFP4")) == Recipe(scheme="NVFP4")
-    assert load_recipe(stage("scheme: INT8")) == Recipe(scheme="W8A8")
+    assert read_recipe(stage("scheme: NVFP4")) == Recipe(scheme="NVFP4")
+    assert read_recipe(stage("scheme: INT8")) == Recipe(scheme="W8A8")
     assert Recipe(scheme="W8A8").weights.strategy == "channel"
     assert tuple(SCHEMES) == ALL_PRESETS and "FP8_BLOCK" in SCHEMES  # the command line's are compressed-tensors'
 
@@ -164,7 +164,7 @@ def test_presets_keep_the_job_identity():
      "share their input but not their config group"),
 ])
 def test_conflicting_groups_are_refused(groups, message):
-    recipe = load_recipe(stage(f"config_groups: {json.dumps(groups)}"))
+    recipe = read_recipe(stage(f"config_groups: {json.dumps(groups)}"))
     with pytest.raises(UsageError, match=message):
         recipe.module_schemes(skeleton(), Family())
 

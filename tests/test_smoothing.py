@@ -6,6 +6,7 @@ import pytest
 import torch
 import transformers
 
+from elastic_oneshot.models.family import family_for
 from elastic_oneshot.quantization import smoothing
 from elastic_oneshot.testing.tiny import make_model, make_tiny
 from tests.peer_modifiers import load, one_thread, record, run_peer, tokens  # noqa: F401 (a fixture)
@@ -21,7 +22,7 @@ def smooth_layer_by_layer(path: str, strength: float, algorithm: str) -> transfo
     before it, already smoothed, give (its own still unsmoothed), then its scales folded."""
     model = load(path)
     ids = tokens(path)
-    mappings = smoothing.resolve(model, smoothing.default_mappings(model.config.architectures[0]))
+    mappings = smoothing.resolve(model, family_for(model.config).smoothing_mappings(model.config))
     modules = dict(model.named_modules())
     for index in range(model.config.num_hidden_layers):
         mine = [m for m in mappings if m.smooth.startswith(f"model.layers.{index}.")]
@@ -65,7 +66,7 @@ def test_default_mappings_resolve_as_the_peers(tmp_path):
         peer.ignore, peer.mappings = [], peer._infer_mappings_from_model(model)
         theirs = [smoothing.Mapping(m.smooth_name, tuple(names[id(b)] for b in m.balance_layers))
                   for m in peer._resolve_mappings(model)]
-        ours = smoothing.resolve(model, smoothing.default_mappings(config.architectures[0]))
+        ours = smoothing.resolve(model, family_for(config).smoothing_mappings(config))
         assert ours == theirs and ours, model_type
 
 

@@ -6,6 +6,7 @@ before. Layer by layer, that is one stream of inputs per stage that changes the 
 import pytest
 import torch
 
+from elastic_oneshot.models.family import family_for
 from elastic_oneshot.quantization import gptq, smoothing
 from elastic_oneshot.quantization.recipe import Recipe, SmoothQuant
 from elastic_oneshot.testing.tiny import make_model
@@ -20,7 +21,7 @@ def llama(tmp_path_factory):
 def smooth(model, index: int, ids, strength: float) -> dict[str, torch.Tensor]:
     """SmoothQuant's scales of layer `index`, observed on `model` (SmoothQuant's stream), by smooth layer."""
     modules = dict(model.named_modules())
-    mappings = [m for m in smoothing.resolve(model, smoothing.default_mappings(model.config.architectures[0]))
+    mappings = [m for m in smoothing.resolve(model, family_for(model.config).smoothing_mappings(model.config))
                 if m.smooth.startswith(f"model.layers.{index}.")]
     seen = record(model, ids, [m.smooth for m in mappings]).outputs
     out = {}

@@ -15,9 +15,11 @@ import pytest
 import torch
 
 from elastic_oneshot import oneshot
+from elastic_oneshot.durability.state import StateStore
 from elastic_oneshot.errors import UsageError
+from elastic_oneshot.events import History
 from elastic_oneshot.quantization.recipe import Recipe
-from elastic_oneshot.quantization.recipe_loader import load_recipe
+from elastic_oneshot.quantization.recipe_loader import read_recipe
 from elastic_oneshot.surface.status import render, report
 from elastic_oneshot.testing.runs import one_thread_env, run_cli, torchrun_cmd, tree_digest
 from elastic_oneshot.testing.tiny import make_model
@@ -74,15 +76,15 @@ def test_recipe_spellings_of_the_same_job():
     from llmcompressor.modifiers.gptq import GPTQModifier
 
     flags = Recipe(group_size=64)
-    assert load_recipe(YAML_GROUP_64) == flags
-    assert load_recipe([GPTQModifier(config_groups=GROUP_64, ignore=["lm_head"], actorder="weight")]) == flags
+    assert read_recipe(YAML_GROUP_64) == flags
+    assert read_recipe([GPTQModifier(config_groups=GROUP_64, ignore=["lm_head"], actorder="weight")]) == flags
     preset = stage("GPTQModifier: {scheme: W4A16, targets: Linear, ignore: [lm_head]}")
-    assert load_recipe(preset) == Recipe()  # what the flags' defaults make: the same job fingerprint
+    assert read_recipe(preset) == Recipe()  # what the flags' defaults make: the same job fingerprint
     channel = stage("GPTQModifier:\n  actorder: null\n  dampening_frac: 0.05\n  config_groups: {g: {targets: [Linear], "
                     "weights: {num_bits: 3, type: int, symmetric: false, strategy: channel}}}")
-    assert load_recipe(channel) == Recipe(scheme="W3A16", group_size=-1, symmetric=False, actorder=None,
+    assert read_recipe(channel) == Recipe(scheme="W3A16", group_size=-1, symmetric=False, actorder=None,
                                           dampening_frac=0.05, ignore=())
-    assert load_recipe(channel).weights.num_bits == 3
+    assert read_recipe(channel).weights.num_bits == 3
 
 
 @pytest.mark.parametrize("modifiers, message", [
@@ -95,29 +97,72 @@ def test_recipe_spellings_of_the_same_job():
      "output_activations: {num_bits: 8}}}}", "output_activations are not supported"),
     ("GPTQModifier: {scheme: W4A16, kv_cache_scheme: {num_bits: 8}}", "kv_cache_scheme is not supported"),
     ("GPTQModifier: {scheme: W4A16, sequential_update: true}", "'sequential_update' is not supported"),
-    ("QuantizationModifier: {scheme: W4A16}", "QuantizationModifier is not supported: elastic-oneshot runs GPTQ only"),
+    ("QuIPModifier: {}", "QuIPModifier is not supported: elastic-oneshot runs GPTQModifier, QuantizationModifier"),
 ])
 def test_unsupported_settings_are_refused_in_one_line(modifiers, message):
     with pytest.raises(UsageError, match=re.escape(message)) as e:
-        load_recipe(stage(modifiers))
+        read_recipe(stage(modifiers))
     assert "\n" not in str(e.value)
 
 
+W8A8_YAML = stage("SmoothQuantModifier: {smoothing_strength: 0.8}\n"
+                  "GPTQModifier: {scheme: W8A8, targets: Linear, ignore: [lm_head]}")
+
+
 @pytest.mark.slow
-def test_unsupported_modifier_is_refused_by_name(tiny_llama, tmp_path):
+def test_modifier_objects_and_the_clis_yaml_make_identical_checkpoints(tiny_llama, tmp_path):
+    """The peer's W8A8 example as `oneshot(recipe=[modifier objects])` and as the CLI's --recipe YAML: one job, the
+    same bits; both outputs hold the smoothed, quantized layers."""
     from llmcompressor.modifiers.gptq import GPTQModifier
     from llmcompressor.modifiers.transform.smoothquant import SmoothQuantModifier
 
-    recipe = tmp_path / "w8a8.yaml"
-    recipe.write_text(stage("SmoothQuantModifier: {smoothing_strength: 0.8}\nGPTQModifier: {scheme: W8A8}"))
+    objects = [SmoothQuantModifier(smoothing_strength=0.8),
+               GPTQModifier(scheme="W8A8", targets="Linear", ignore=["lm_head"])]
+    api = oneshot(model=tiny_llama, recipe=objects, output_dir=str(tmp_path / "api"), **API_JOB)
+    (tmp_path / "w8a8.yaml").write_text(W8A8_YAML)
+    run_cli("run", "--model", tiny_llama, "--recipe", tmp_path / "w8a8.yaml", "--output", tmp_path / "cli", *JOB,
+            env=same_threads_env())
+    assert tree_digest(tmp_path / "cli") == tree_digest(api)
+    config = json.loads((tmp_path / "cli" / "config.json").read_text())["quantization_config"]
+    assert config["format"] == "int-quantized" and os.path.isdir(tmp_path / "cli.state" / "stages")
+
+
+@pytest.mark.slow
+def test_a_data_free_quantization_modifier_reads_no_data_and_runs_no_forward(tiny_llama, tmp_path):
+    """QuantizationModifier FP8_DYNAMIC needs no calibration data: a dataset that does not exist is never opened, no
+    layer runs forward (no commit reports a calibration, Hessian or propagation second), and the weights are those
+    of the same recipe given the builtin dataset."""
+    recipe = tmp_path / "fp8.yaml"
+    recipe.write_text(stage("QuantizationModifier: {scheme: FP8_DYNAMIC, targets: Linear, ignore: [lm_head]}"))
+    for name, dataset in (("builtin", "builtin"), ("nothing", str(tmp_path / "missing.jsonl"))):
+        run_cli("run", "--model", tiny_llama, "--recipe", recipe, "--dataset", dataset, "--output", tmp_path / name,
+                *JOB, env=same_threads_env())
+        commits = History(StateStore(str(tmp_path / f"{name}.state")).events()).commits
+        assert len(commits) == 4 and not {"calibrate", "hessian", "propagate"} & {k for c in commits
+                                                                                for k in c["seconds"]}
+    weights = [tree_digest(tmp_path / name)["model.safetensors"] for name in ("builtin", "nothing")]
+    assert weights[0] == weights[1]
+
+
+@pytest.mark.slow
+def test_unsupported_modifiers_are_refused_by_name_before_any_work(tiny_llama, tmp_path):
+    from llmcompressor.modifiers.gptq import GPTQModifier
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from llmcompressor.modifiers.transform import QuIPModifier
+
+    recipe = tmp_path / "quip.yaml"
+    recipe.write_text(stage("QuIPModifier: {}\nGPTQModifier: {scheme: W4A16}"))
     proc = run_cli("run", "--model", tiny_llama, "--recipe", recipe, "--output", tmp_path / "out", *JOB, check=False)
     assert proc.returncode == 2
-    assert proc.stderr.strip() == ("elastic-oneshot: error: SmoothQuantModifier is not supported: "
-                                   "elastic-oneshot runs GPTQ only")
-    assert not (tmp_path / "out.state").exists()
-    with pytest.raises(UsageError, match="SmoothQuantModifier is not supported"):
-        oneshot(model=tiny_llama, recipe=[SmoothQuantModifier(smoothing_strength=0.8), GPTQModifier(scheme="W4A16")],
-                output_dir=str(tmp_path / "out"), **API_JOB)
+    assert proc.stderr.strip() == (
+        "elastic-oneshot: error: QuIPModifier is not supported: elastic-oneshot runs GPTQModifier, "
+        "QuantizationModifier, SmoothQuantModifier, LogarithmicEqualizationModifier, AWQModifier, SparseGPTModifier")
+    for objects, message in [([QuIPModifier(), GPTQModifier(scheme="W4A16")], "QuIPModifier is not supported"),
+                             (QuantizationModifier(scheme="FP8", kv_cache_scheme={"num_bits": 8, "type": "float"}),
+                              "QuantizationModifier kv_cache_scheme is not supported")]:
+        with pytest.raises(UsageError, match=message):
+            oneshot(model=tiny_llama, recipe=objects, output_dir=str(tmp_path / "out"), **API_JOB)
+    assert not (tmp_path / "out.state").exists() and not (tmp_path / "out").exists()
     with pytest.raises(UsageError, match="not both"):
         oneshot(model=tiny_llama, recipe=YAML_GROUP_64, group_size=64, output_dir=str(tmp_path / "out"), **API_JOB)
 

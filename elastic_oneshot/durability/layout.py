@@ -11,10 +11,17 @@ TOKENS = "tokens.safetensors"
 EVENTS = "events.jsonl"  # on a directory; an object store keeps each event as an object of EVENT_FOLDER
 EVENT_FOLDER = "events"
 EPOCHS, COMMITS, SOLVED, BOUNDARIES = "epochs", "commits", "layers", "boundaries"
-EVERYTHING = (COMMITS, SOLVED, BOUNDARIES, EPOCHS, JOB, TOKENS, EVENTS, EVENT_FOLDER)  # what --restart clears
+STAGES = "stages"  # the passes of a recipe before its last, each a state of its own (`stage`)
+EVERYTHING = (COMMITS, SOLVED, BOUNDARIES, EPOCHS, STAGES, JOB, TOKENS, EVENTS, EVENT_FOLDER)  # what --restart clears
 MARKER = "elastic-oneshot.json"  # in every checkpoint: the job's fingerprint and the files written
 PENDING = "elastic-oneshot.pending.json"  # on an output prefix, while an upload is under way
 NONCE_CHARS = 12  # of the fence's nonce (128 random bits) in a tag
+
+
+def stage(index: int, modifier: str) -> str:
+    """The folder of a recipe's pass `index` (not its last: that one is the state itself), named by its modifier:
+    a state of its own (commits, solved groups, boundaries, epochs, events) beside the job's job.json and tokens."""
+    return f"{STAGES}/{index:02d}-{modifier}"
 
 
 def tag(epoch: int, nonce: str) -> str:

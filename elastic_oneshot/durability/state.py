@@ -11,6 +11,8 @@ Layout (docs/state-format.md is the specification):
     boundaries/LLLLL/TAG/chunk-CCCCC.safetensors  inputs of layer L for sample chunk C (boundaries.py)
     events.jsonl                      history for people and `status` (never trusted for progress)
     events/TTTTT.R.json               the same history on an object store, one event per object
+    stages/PP-MODIFIER/               a recipe's pass PP before its last (SmoothQuant, AWQ, SparseGPT): a state of its
+                                      own, commits to job.json, tokens.safetensors (`stage`)
 
 The state lives in a storage (storage.py): a local directory, or an object store when --state is a URL, where
 each file is an object written whole, and exclusive writes are conditional puts (If-None-Match: *).
@@ -90,7 +92,15 @@ class StateStore:
     def __init__(self, root: str, retry_s: float = RETRY_S):
         """The state at `root`, a directory or a URL; an object store's requests are retried for `retry_s` s."""
         self.storage = open_storage(root, retry_s)
-        self.root = self.storage.root
+        self.root, self.retry_s = self.storage.root, retry_s
+        self.parent: StateStore | None = None  # the job's state, for a pass's (`stage`)
+
+    def stage(self, folder: str) -> StateStore:
+        """The state of a recipe's pass before its last (layout.stage): its commits, solved groups, boundaries,
+        epochs and events under `folder`; the job (job.json) and its tokens are this state's."""
+        child = StateStore(self.storage.where(folder), self.retry_s)
+        child.parent = self
+        return child
 
     @property
     def local(self) -> str | None:
@@ -243,6 +253,8 @@ class StateStore:
 
     def tokens(self) -> torch.Tensor:
         """The job's calibration samples, as fixed when it started."""
+        if self.parent is not None:
+            return self.parent.tokens()
         return self.read_tensors(self.job()["tokens"])["input_ids"]
 
     def restore_tokens(self, tokens: torch.Tensor):
@@ -255,6 +267,8 @@ class StateStore:
         self.write_bytes(record["path"], data)
 
     def job(self) -> dict:
+        if self.parent is not None:
+            return self.parent.job()
         job = self.read_json(layout.JOB)
         if job is None:
             raise UsageError(f"{self.root} holds no elastic-oneshot state (no job.json)")

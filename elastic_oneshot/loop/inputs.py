@@ -12,6 +12,7 @@ import logging
 import os
 import time
 import traceback
+from collections.abc import Callable
 from concurrent.futures import Executor, Future
 
 import torch
@@ -40,12 +41,14 @@ def to_device(obj, device):
 class LayerInputs:
     """Inputs of any layer for this rank's chunks. `step` runs committed layers (replays); `chunks` are every chunk's
     sample bounds, `own` the ids of this rank's; `protocol` says which layers are committed, with which weights, and
-    which boundaries are durable."""
+    which boundaries are durable; `decisions(layer)` gives the earlier passes' committed decisions on a layer, which a
+    replay applies too (DamagedLayer, naming the pass, where one does not read back)."""
 
     def __init__(self, state: StateStore, step: LayerStep, chunks: list[tuple[int, int]], own: list[int],
-                 protocol: CommitProtocol):
+                 protocol: CommitProtocol, decisions: Callable[[int], list] = lambda layer: []):
         self.state, self.step, self.source, self.seq_len = state, step, step.source, step.seq_len
         self.chunks, self.own, self.device, self.protocol = chunks, own, step.device, protocol
+        self.decisions = decisions
         self.budget: int | None = None  # bytes a layer may take (source.load_layer): the runner's, for each epoch
         self.embedder = Embedder(self.source)
         self._kwargs: dict = {}
@@ -125,13 +128,14 @@ class LayerInputs:
             return x
         return torch.empty(x.shape, dtype=x.dtype, pin_memory=True).copy_(x)
 
-    def quantized_layer(self, layer: int) -> torch.nn.Module:
-        """A committed layer with its quantized weights, on the device; DamagedLayer if they do not read back."""
+    def replayed(self, layer: int) -> torch.nn.Module:
+        """A committed layer as this pass left it (quantized weights in place, scales folded, ...), on the device;
+        DamagedLayer if its decisions, or an earlier pass's, do not read back."""
         try:
             tensors = self.protocol.tensors(layer)
         except CorruptStateError as e:
             raise DamagedLayer(layer, str(e)) from None
-        return self.step.quantized_layer(layer, to_device(tensors, self.device), self.budget)
+        return self.step.replayed(layer, to_device(tensors, self.device), self.decisions(layer), self.budget)
 
     def restore(self, layer: int):
         """Inputs to `layer` from storage: the newest durable boundary at or below it that reads back intact,
@@ -170,7 +174,7 @@ class LayerInputs:
         so that a chunk goes through them as soon as it arrives: the replay's compute hides behind the download."""
         window, nbytes = [], 0
         for index in range(start, layer):
-            module = self.quantized_layer(index)
+            module = self.replayed(index)
             size = sum(t.nbytes for t in module.state_dict().values() if not t.is_meta)
             if window and nbytes + size > (self.budget or 0) // 2:
                 held, window, nbytes = {c: self._through(window, x) for c, x in held.items()}, [], 0
@@ -195,11 +199,12 @@ class _Damaged(Exception):
 
 
 class DamagedLayer(Exception):
-    """A committed layer that a replay needs does not read back (`layer`; the message says why)."""
+    """A committed layer that a replay needs does not read back (`layer`; the message says why): this pass's, or
+    (`index`) an earlier pass's."""
 
-    def __init__(self, layer: int, reason: str):
+    def __init__(self, layer: int, reason: str, index: int | None = None):
         super().__init__(reason)
-        self.layer = layer
+        self.layer, self.index = layer, index
 
 
 def _arrival(get, waited: list[float]):

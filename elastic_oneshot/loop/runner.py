@@ -34,6 +34,7 @@ from elastic_oneshot.loop.data import chunk_bounds, own_chunks
 from elastic_oneshot.loop.inputs import DamagedLayer, LayerInputs, to_device
 from elastic_oneshot.loop.job import Job
 from elastic_oneshot.loop.layer_step import LayerStep, timed
+from elastic_oneshot.loop.passes import Pass
 from elastic_oneshot.models.content import Content
 from elastic_oneshot.models.moe import streamed
 from elastic_oneshot.models.source import SourceModel
@@ -68,6 +69,15 @@ class _Redo(Exception):
     """Committed layers that a replay found damaged, on some rank: every rank begins a new epoch without them."""
 
 
+class Again(Exception):
+    """A committed layer of an earlier pass (`index`) that this one found damaged, on some rank: that pass runs again
+    (it redoes the layer, to the same bits), then the passes after it."""
+
+    def __init__(self, index: int):
+        super().__init__(f"pass {index} runs again")
+        self.index = index
+
+
 class Runner:
     """One rank's part of the job. `schemes`: each quantized module's (full name -> QuantizationScheme, the
     recipe's module_schemes); `boundary_every` and `mtbf_s` (None: the job's own, from its events) set how often
@@ -75,12 +85,15 @@ class Runner:
     epoch begins, the least over ranks) bounds a layer's working set (plan.memory_batches). `model_changed`: what a
     start does when committed layers were computed from other model content than the files hold now (model_check):
     "refuse" in one line, or "redo" from the first changed layer. `progress` is told the layers committed, of all,
-    when the run begins and after each commit."""
+    when the run begins and after each commit. `passes` and `index`: the recipe's passes and the one this runner runs
+    (default: GPTQ alone); `earlier`: the passes before it, with the protocols of their runs (their decisions are
+    applied to every layer loaded)."""
 
     def __init__(self, job: Job, state: StateStore, records: Records, source: SourceModel, world: World,
                  schemes: dict, boundary_every: int | None = None, mtbf_s: float | None = None,
                  max_memory: int | None = None, model_changed: str = "refuse",
-                 progress: Callable[[int, int], None] = lambda done, total: None):
+                 progress: Callable[[int, int], None] = lambda done, total: None, passes: list[Pass] | None = None,
+                 index: int = 0, earlier: list[tuple[Pass, CommitProtocol]] = ()):
         self.job, self.state, self.source, self.world, self.progress = job, state, source, world, progress
         self.rank, self.device = world.rank, world.device
         self.protocol = CommitProtocol(state, records)
@@ -92,14 +105,15 @@ class Runner:
         self.digests: dict[int, Future] = {}  # layer -> its content digest: committed ones' as their commits record
         # them (checked against the files when the epoch began), the others' as read this epoch, on their own thread
         self.hasher = ThreadPoolExecutor(max_workers=1)
-        self.step = LayerStep(source, schemes, job.recipe, world, world.device, job.seq_len, job.num_samples,
-                              job.moe_calibrate == "all")
         self.chunks = chunk_bounds(job.num_samples, job.chunk_size)
+        self.step = LayerStep(source, schemes, job.recipe, world, world.device, job.seq_len, job.num_samples,
+                              job.moe_calibrate == "all", passes, index, self.chunks)
+        self.earlier = list(earlier)
         self.io = _io_thread()  # solved groups; boundaries have their own, so a commit never queues behind one
         self.priority = Priority()  # and their chunks wait while solved groups upload
         self.pending: list[Computed] = []  # layers computed, not yet committed, oldest first
         own = own_chunks(job.num_samples, job.chunk_size, world.size, self.rank)
-        self.inputs = LayerInputs.tried(state, self.step, self.chunks, own, self.protocol)
+        self.inputs = LayerInputs.tried(state, self.step, self.chunks, own, self.protocol, self.decisions)
         self.boundaries = Boundaries(state, _io_thread(), boundary_every, source.num_layers, len(self.chunks),
                                      self.priority)
         self.mtbf_s, self.max_memory, self.memory = mtbf_s, max_memory, 0
@@ -166,8 +180,9 @@ class Runner:
         self.began.add(epoch)
         return {"epoch": epoch, "tag": self.protocol.records.tag(epoch), "committed": valid, "mtbf": mtbf}
 
-    def run(self, final: Callable[[CommitProtocol], None]):
-        """Process every uncommitted layer; then rank 0 calls `final` (the export's weights), which reads every
+    def run(self, final: Callable[[CommitProtocol], None] | None):
+        """Process every uncommitted layer; then rank 0 calls `final` (None for a pass before the last, whose layers
+        the passes after it read, and redo where they find one damaged: Again), the export's weights, which reads every
         committed file back once, against its digest (a file can be damaged after its commit): if some fail, their
         layers are redone in a new epoch, and `final` is called again. Meanwhile the other ranks wait in collectives
         of a second each (one as long as the export would time out). If `final` fails otherwise, every rank leaves
@@ -182,7 +197,7 @@ class Runner:
                 raise StaleEpochError(f"epoch {self.epoch} is stale (epoch {current} has begun): {e}") from e
             raise
 
-    def _run(self, final: Callable[[CommitProtocol], None]):
+    def _run(self, final: Callable[[CommitProtocol], None] | None):
         def finished():  # rank 0: "done", or the layers that still verify if `final` found damaged ones
             try:
                 final(self.protocol)
@@ -202,6 +217,9 @@ class Runner:
                 except _Redo:
                     self.begin_epoch()
                     continue
+                if final is None:  # a pass before the last: the passes after it read its layers
+                    self.boundaries.drain()
+                    return
                 outcome = None
                 if self.rank == 0:
                     with ThreadPoolExecutor(max_workers=1) as pool:  # outside inference mode, as a thread's own
@@ -241,11 +259,25 @@ class Runner:
         try:
             self.inputs.restore(layer)
         except DamagedLayer as e:
-            damaged = (e.layer, str(e))
-        found = sorted(d for d in self.world.gather_objects(damaged) if d)
+            damaged = (e.layer, str(e), e.index)
+        self._damaged(damaged)
+
+    def _damaged(self, damaged: tuple | None):
+        """Every rank, from each rank's (layer, reason, pass index or None for this pass) or None: a damaged layer of
+        an earlier pass is marked in its protocol and that pass runs again (Again), once this pass's computed layers
+        are committed; this pass's own are redone in a new epoch (_Redo)."""
+        found = sorted((d for d in self.world.gather_objects(damaged) if d), key=lambda d: (d[2] is None, d))
         if not found:
             return
-        for index, reason in found:
+        if found[0][2] is not None:
+            protocols = {p.index: protocol for p, protocol in self.earlier}
+            for layer, reason, index in found:
+                if index is not None:
+                    log.warning("layer %d of pass %d will be redone: %s", layer, index, reason)
+                    protocols[index].damaged(layer, reason)
+            self.settle()
+            raise Again(min(d[2] for d in found if d[2] is not None))
+        for index, reason, _ in found:
             log.warning("layer %d will be redone: %s", index, reason)
             if self.committed[index] in self.began:
                 raise CorruptStateError(f"layer {index}, committed by this process, no longer reads back ({reason}): "
@@ -255,28 +287,64 @@ class Runner:
 
     # -- one layer ------------------------------------------------------------------------------------
     def process(self, layer: int):
-        """One layer: its steps (layer_step.py), its solved groups persisted as they are solved and earlier attempts'
-        reused; then commit the layers computed before it but the newest COMMITS_BEHIND, whose files upload while the
-        next layer computes."""
-        seconds = {}
-        if self.inputs.held_layer != layer:
+        """One layer: its steps (layer_step.py) on the layer as the earlier passes left it, its solved groups persisted
+        as they are solved and earlier attempts' reused; then commit the layers computed before it but the newest
+        COMMITS_BEHIND, whose files upload while the next layer computes."""
+        seconds, step = {}, self.step
+        if step.forwards and self.inputs.held_layer != layer:
             self.restore(layer)
         if self.rank == 0:
             self.state.append_event(events.layer(layer, self.epoch))
         source = self.digest(layer)  # read while the layer loads
-        module, groups = self.step.load(layer, self.memory if self.job.moe_calibrate == "routed" else None,
-                                        seconds)  # all-experts: their gate and up are one group, held whole
+        decisions = self.checked_decisions(layer)
+        module, groups = step.load(layer, self.memory if self.job.moe_calibrate == "routed" else None, seconds,
+                                   decisions)  # all-experts: their gate and up are one group, held whole
         with timed(seconds, "load"):
             tensors, reused, todo = self.reuse_solved(layer, groups)
-        writes, notes = [], {}  # this rank's writes of solved groups in this attempt, and its notes
-        for batch in self.batches(layer, module, todo):
-            solved, more = self.step.compress(layer, module, batch, lambda: (x for _, x in self.inputs.each(layer)),
-                                              self.inputs.kwargs(layer), seconds, self.persist(layer, writes))
-            tensors.update(solved)
-            notes.update(more)
-        self.propagate(layer, module, tensors, seconds)
+        writes, notes, outputs = [], {}, None  # this rank's writes of solved groups in this attempt, and its notes
+        persist = self.persist(layer, writes)
+        if step.kind == "gptq":
+            for batch in self.batches(layer, module, [g for g in todo if isinstance(g, Group)]):
+                solved, more = step.compress(layer, module, batch, lambda: (x for _, x in self.inputs.each(layer)),
+                                             self.inputs.kwargs(layer), seconds, persist)
+                tensors.update(solved)
+                notes.update(more)
+        else:
+            notes, outputs = step.decide(layer, module, todo, tensors, lambda: self.inputs.each(layer),
+                                         lambda: self.inputs.kwargs(layer), seconds, persist)
+        step.keep_dense(layer, module, todo, tensors, persist)
+        if step.forwards:
+            self.propagate(layer, module, tensors, seconds, outputs)
         self.pending.append(Computed(layer, [g.name for g in groups], reused, writes, notes, seconds, source.result()))
         self.settle(keep=COMMITS_BEHIND)
+
+    def decisions(self, layer: int) -> list[tuple[Pass, dict]]:
+        """The earlier passes' committed decisions on `layer`, on the device; DamagedLayer (naming the pass) if one
+        does not read back."""
+        out = []
+        for p, protocol in self.earlier:
+            try:
+                out.append((p, to_device(protocol.tensors(layer), self.device)))
+            except CorruptStateError as e:
+                raise DamagedLayer(layer, str(e), p.index) from None
+        return out
+
+    def checked_decisions(self, layer: int) -> list[tuple[Pass, dict]]:
+        """`decisions`, read on every rank: where any rank finds one damaged, its pass runs again (Again)."""
+        if not self.earlier:
+            return []
+        found, damaged = [], None
+        try:
+            found = self.decisions(layer)
+        except DamagedLayer as e:
+            damaged = (e.layer, str(e), e.index)
+        self._damaged(damaged)
+        return found
+
+    def release(self):
+        """Once the pass is done: let go of what it holds for its next layer (its inputs, the embedding table)."""
+        self.inputs.keep(None, {})
+        self.inputs.embedder.release()
 
     def batches(self, layer: int, module, todo: list[Group]) -> list[list[Group]]:
         """The groups to solve, in batches whose working set fits beside the layer (plan.memory_batches)."""
@@ -328,15 +396,16 @@ class Runner:
                      len(done), len(groups), len(groups) - len(done))
         return tensors, records, [g for g in groups if g.name not in done]
 
-    def propagate(self, layer: int, module, tensors: dict, seconds: dict):
-        """The next layer's inputs for this rank's chunks, through the quantized layer: kept in host memory, and
-        handed to the I/O thread when a boundary is due (waiting for the one in flight counts as "commit":
-        waiting for storage)."""
+    def propagate(self, layer: int, module, tensors: dict, seconds: dict, computed: dict | None = None):
+        """The next layer's inputs for this rank's chunks, through the layer as the pass leaves it (or `computed`
+        already, by chunk): kept in host memory, and handed to the I/O thread when a boundary is due (waiting for the
+        one in flight counts as "commit": waiting for storage)."""
         if layer == self.source.num_layers - 1:
             return
         outputs = {}
-        for chunk, y in self.step.propagate(layer, module, tensors, self.inputs.each(layer), self.inputs.kwargs(layer),
-                                            seconds):
+        ys = computed.items() if computed is not None else self.step.propagate(
+            layer, module, tensors, self.inputs.each(layer), self.inputs.kwargs(layer), seconds)
+        for chunk, y in ys:
             with timed(seconds, "propagate"):
                 outputs[chunk] = self.inputs.to_host(y)
         self.inputs.keep(layer + 1, outputs)
@@ -405,3 +474,40 @@ class Runner:
         if other := [r for r, m in enumerate(everyone) if m["source"] != everyone[0]["source"]]:
             raise UsageError(f"rank {other[0]} reads another model than rank 0 ({self.source.path}: layer {layer}'s "
                              "tensors differ): give every node the same model")
+
+
+class Passes:
+    """A recipe's passes (loop/passes.py), run in order, each by a runner of its own (`make(index, earlier)`, made
+    when first reached, the first at once: `earlier` pairs the passes before it with their protocols). At every
+    (re)start of the workers every pass begins an epoch of its own state: a finished one verifies its commits and ends
+    at once. A pass
+    that finds a committed layer of an earlier one damaged (Again) runs that pass again (which redoes the layer, to
+    the same bits), then the passes after it."""
+
+    def __init__(self, count: int, make: Callable[[int, list], Runner]):
+        self.count, self.make = count, make
+        self.runners: list[Runner] = [make(0, [])]  # now: its layer-0 trial refuses a model before any work
+        self.current: Runner | None = None
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the pass running now (0 before the first begins)."""
+        return self.current.epoch if self.current else 0
+
+    def run(self, final: Callable[[CommitProtocol], None]):
+        """Every pass; the last one's `final` (the export's weights) as Runner.run."""
+        index = 0
+        while index < self.count:
+            while len(self.runners) <= index:
+                self.runners.append(self.make(len(self.runners), [(r.step.stage, r.protocol) for r in self.runners]))
+            self.current = self.runners[index]
+            if self.count > 1 and self.current.rank == 0:
+                log.info("pass %d of %d: %s", index + 1, self.count, self.current.step.stage.modifier)
+            try:
+                self.current.run(final if index == self.count - 1 else None)
+            except Again as e:
+                index = e.index
+                continue
+            if index < self.count - 1:
+                self.current.release()
+            index += 1

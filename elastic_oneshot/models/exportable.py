@@ -33,14 +33,16 @@ def written_names(source: SourceModel, schemes: dict[str, QuantizationScheme],
     return names
 
 
-def check_exportable(source: SourceModel, schemes: dict[str, QuantizationScheme], quantization: QuantizationConfig,
+def check_exportable(source: SourceModel, schemes: dict[str, QuantizationScheme],
+                     quantization: QuantizationConfig | None,
                      leaves: Callable[[QuantizationScheme], tuple[str, ...]], trust_remote_code: bool = False):
     """Refuse, before any work, a model whose compressed checkpoint the export's guard would refuse by its names."""
     with tempfile.TemporaryDirectory() as config_dir:  # the checkpoint's config (and the model's code, if any)
         for fname in os.listdir(source.path):
             if fname == "config.json" or fname.endswith(".py"):
                 shutil.copyfile(os.path.join(source.path, fname), os.path.join(config_dir, fname))
-        ModelCompressor(quantization_config=quantization).update_config(config_dir)
+        if quantization is not None:  # None: a recipe that quantizes nothing writes no quantization_config
+            ModelCompressor(quantization_config=quantization).update_config(config_dir)
         check_names(config_dir, source, written_names(source, schemes, leaves), quantization,
                     functools.partial(_refuse, source), trust_remote_code)
 

@@ -13,6 +13,7 @@ subclass of `Family` registered for its config's model_type with `@register`, fo
 idea is llm-compressor's registered MoE calibration modules and torchtitan's per-family state-dict adapters.
 """
 
+import copy
 import functools
 import importlib
 import pkgutil
@@ -22,7 +23,7 @@ from collections.abc import Callable, Hashable
 import torch
 import transformers
 
-from elastic_oneshot.models import stored_names
+from elastic_oneshot.models import mappings, stored_names
 from elastic_oneshot.models.moe import Experts, Layout, default_gating, own_gating
 
 FAMILIES: dict[str, type["Family"]] = {}
@@ -67,6 +68,9 @@ class Family:
     # Siblings that share NVFP4's global scale: the peer's FUSED_LAYER_NAMES (llmcompressor/observers/helpers.py),
     # the sets vLLM fuses; the last two are solved apart here.
     fused_scales = shared_inputs + (("q_a_proj", "kv_a_proj_with_mqa"), ("w1", "w3"))
+
+    def __init__(self):
+        self._offset: dict[type, bool] = {}  # norm class -> offset_norm's answer
 
     def auto_class(self, config) -> type:
         """The Auto class that builds the whole model of `config`: an image-text model (its vision tower included)
@@ -191,6 +195,30 @@ class Family:
             dense += [n for n, m in skeleton.get_submodule(block).named_modules(prefix=block) if
                       isinstance(m, torch.nn.Linear) and id(m) not in own and m.out_features in (1, count)]
         return dense
+
+    def smoothing_mappings(self, config) -> tuple:
+        """SmoothQuant's default mappings for the model (models/mappings.py, by its class, as the peer's registry)."""
+        return mappings.smoothing_mappings((config.architectures or [""])[0])
+
+    def awq_mappings(self, config) -> tuple:
+        """AWQ's default mappings for the model (models/mappings.py, by its class, as the peer's registry)."""
+        return mappings.awq_mappings((config.architectures or [""])[0])
+
+    def offset_norm(self, norm: torch.nn.Module) -> bool:
+        """Whether a norm multiplies its output by 1 + weight (Gemma's, Qwen3-Next's), as SmoothQuant and AWQ fold
+        it: found by running a copy with a zero weight (an offset norm then passes its input on, normalized)."""
+        weight = getattr(norm, "weight", None)
+        if isinstance(norm, torch.nn.Linear) or not isinstance(weight, torch.Tensor) or weight.dim() != 1:
+            return False
+        if type(norm) not in self._offset:
+            probe = copy.deepcopy(norm).to("cpu", torch.float32)
+            probe.weight = torch.nn.Parameter(torch.zeros(weight.shape[0]), requires_grad=False)
+            try:
+                with torch.no_grad():
+                    self._offset[type(norm)] = bool(probe(torch.ones(1, 1, weight.shape[0])).abs().sum() > 0)
+            except Exception:  # not a norm of one input: folded plainly
+                self._offset[type(norm)] = False
+        return self._offset[type(norm)]
 
     def stored_names(self, skeleton: torch.nn.Module, checkpoint_names) -> dict[str, str]:
         """Skeleton tensor name -> the checkpoint's, for the names that differ: transformers' conversion mappings."""

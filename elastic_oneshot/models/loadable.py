@@ -35,9 +35,10 @@ from elastic_oneshot.models.source import SourceModel, _read_header
 log = logging.getLogger("elastic_oneshot")
 
 
-def check_loadable(directory: str, source: SourceModel, quantization: QuantizationConfig,
+def check_loadable(directory: str, source: SourceModel, quantization: QuantizationConfig | None,
                    trust_remote_code: bool = False):
-    """Refuse the checkpoint in `directory` (written from `source` with `quantization`), naming what is wrong."""
+    """Refuse the checkpoint in `directory` (written from `source` with `quantization`; None: a recipe that
+    quantizes nothing), naming what is wrong."""
     written = set()
     for fname in sorted(os.listdir(directory)):
         if fname.endswith(".safetensors"):
@@ -49,13 +50,14 @@ def check_loadable(directory: str, source: SourceModel, quantization: Quantizati
             source.config).__name__)
 
 
-def check_names(directory: str, source: SourceModel, names: set[str], quantization: QuantizationConfig,
+def check_names(directory: str, source: SourceModel, names: set[str], quantization: QuantizationConfig | None,
                 fail: Callable[[str, list[str]], None], trust_remote_code: bool = False):
     """The guard's checks of a checkpoint of `source` whose config is in `directory` and whose tensors are `names`
     (as written, or as the export would write them: exportable.py): `fail(what, names)` on the first that fails."""
-    ignored = set(quantization.ignore or ())
+    ignored = set(quantization.ignore or ()) if quantization is not None else None  # None: nothing quantized
     unquantized = [name for name, m in source.skeleton.named_modules() if isinstance(m, torch.nn.Linear)
-                   and name not in ignored and source.stored_name(f"{name}.weight_scale") not in names]
+                   and ignored is not None and name not in ignored
+                   and source.stored_name(f"{name}.weight_scale") not in names]
     if unquantized:
         fail(f"{len(unquantized)} Linear modules neither quantized nor in ignore", unquantized)
     model, quantizer = _loader_model(directory, trust_remote_code)

@@ -284,6 +284,18 @@ def streamed(layer: torch.nn.Module) -> dict[str, Experts]:
     return {n: m for n, m in layer.named_modules() if isinstance(m, Experts) and m.streamed}
 
 
+def has_experts(layer: torch.nn.Module) -> bool:
+    """Whether the layer holds an experts container (its calibration passes then run under `experts_mode`)."""
+    return any(isinstance(m, Experts) for m in layer.modules())
+
+
+def replayable(module: torch.nn.Module, arguments: dict) -> dict:
+    """A call of `module` recorded in a calibration pass, as it is replayed alone (AWQ's grid): an expert's down
+    projection then computes every token's output, as its hooks saw them (in all-experts calibration the block
+    computes only the routed rows), as llmcompressor's calibration experts do."""
+    return {k: v for k, v in arguments.items() if k != "rows"} if isinstance(module, RowsLinear) else arguments
+
+
 def _skip(_: int) -> None:
     return None
 

@@ -31,68 +31,6 @@ from elastic_oneshot.quantization.cholesky import one_thread
 
 FLOOR = 1e-4  # the least scale, and the damping of the weights' mean, with duo scaling
 
-# Default mappings by architecture (the peer's AWQ registry), as (smooth, balance patterns, activation hook target).
-_QKV = ("re:.*q_proj$", "re:.*k_proj$", "re:.*v_proj$")
-_V_O = ("re:.*v_proj$", ("re:.*o_proj$",), None)
-_UP_DOWN = ("re:.*up_proj$", ("re:.*down_proj$",), None)
-_DEFAULT = (("re:.*input_layernorm$", _QKV, None), _V_O,
-            ("re:.*post_attention_layernorm$", ("re:.*gate_proj$", "re:.*up_proj$"), None), _UP_DOWN)
-_MOE = (("re:.*input_layernorm$", _QKV, None), _V_O, ("re:.*post_attention_layernorm$", (
-    "re:.*mlp.gate$", "re:.*mlp.experts.*.gate_proj$", "re:.*mlp.experts.*.up_proj$"), None), _UP_DOWN)
-_MLA = ("re:.*input_layernorm$", ("re:.*(q|q_a)_proj$", "re:.*kv_a_proj_with_mqa$"), None)
-_MLA_NORMS = (("re:.*q_a_layernorm$", ("re:.*q_b_proj$",), None), ("re:.*kv_a_layernorm$", ("re:.*kv_b_proj$",), None))
-_MLA_DENSE_FIRST = (_MLA, *_MLA_NORMS, ("re:.*post_attention_layernorm$", ("re:.*gate_proj$", "re:.*up_proj$"), None),
-                    _UP_DOWN)
-_COHERE_ATTENTION = ("re:.*self_attn.q_proj$", "re:.*self_attn.k_proj$", "re:.*self_attn.v_proj$")
-_LM = r"re:.*language_model\.layers\.\d+\."
-_MAPPINGS = {
-    _DEFAULT: ("GraniteForCausalLM", "LlamaForCausalLM", "Mistral3ForConditionalGeneration", "MistralForCausalLM",
-               "NanbeigeForCausalLM", "Qwen2ForCausalLM", "Qwen2_5OmniModel",
-               "Qwen2_5OmniThinkerForConditionalGeneration", "Qwen3ForCausalLM", "SeedOssForCausalLM",
-               "Ernie4_5_MoeForCausalLM"),
-    _MOE: ("Glm4MoeForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"),
-    (("re:.*input_layernorm$", _QKV, None), _V_O, ("re:.*post_attention_layernorm$", (
-        "re:.*feed_forward.router$", "re:.*feed_forward.*.gate_proj$", "re:.*feed_forward.*.up_proj$"), None),
-     _UP_DOWN): ("Llama4ForConditionalGeneration",),
-    (("re:.*input_layernorm$", ("re:.*qkv_proj$",), None), ("re:.*qkv_proj$", ("re:.*o_proj$",), None),
-     ("re:.*post_attention_layernorm$", ("re:.*gate_up_proj$",), None),
-     ("re:.*gate_up_proj$", ("re:.*down_proj$",), None)): ("Phi3ForCausalLM", "Phi3VForCausalLM"),
-    (("re:.*input_layernorm$", _QKV, None), _V_O,
-     ("re:.*pre_feedforward_layernorm$", ("re:.*gate_proj$", "re:.*up_proj$"), None), _UP_DOWN):
-        ("Gemma2ForCausalLM",),
-    (_V_O, ("re:.*pre_feedforward_layernorm$", ("re:.*gate_proj$", "re:.*up_proj$"), None), _UP_DOWN):
-        ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
-    ((f"{_LM}input_layernorm$", tuple(f"{_LM}self_attn.{p}_proj$" for p in ("q", "k", "v", "gate")), None),
-     (f"{_LM}self_attn.v_proj$", (f"{_LM}self_attn.o_proj$",), None),
-     (f"{_LM}pre_feedforward_layernorm$", (f"{_LM}mlp.gate_proj$", f"{_LM}mlp.up_proj$"), None),
-     (f"{_LM}mlp.up_proj$", (f"{_LM}mlp.down_proj$",), None)): ("MuseGlimmerForConditionalGeneration",),
-    (("re:.*input_layernorm$", (*_COHERE_ATTENTION, "re:.*mlp.gate_proj$", "re:.*mlp.up_proj$"), None), _V_O,
-     _UP_DOWN): ("CohereForCausalLM", "Cohere2ForCausalLM", "Cohere2VisionForConditionalGeneration"),
-    (("re:.*input_layernorm$", (*_COHERE_ATTENTION, "re:.*gate_proj$", "re:.*up_proj$"), None), _V_O, _UP_DOWN):
-        ("Cohere2MoeForCausalLM",),
-    (_MLA, *_MLA_NORMS, ("re:.*post_attention_layernorm$", ("re:.*mlp.gate$", "re:.*gate_proj$", "re:.*up_proj$"),
-                         None), _UP_DOWN): ("DeepseekV3ForCausalLM",),
-    _MLA_DENSE_FIRST: ("DeepseekV2ForCausalLM", "Glm4MoeLiteForCausalLM", "GlmMoeDsaForCausalLM"),
-    (("re:.*input_layernorm$", ("re:.*query_key_value$",), None),
-     ("re:.*post_attention_layernorm$", ("re:.*dense_h_to_4h$",), None),
-     ("re:.*gelu_impl$", ("re:.*dense_4h_to_h$",), None)): ("BloomForCausalLM",),
-    (_V_O, _UP_DOWN): ("Exaone4ForCausalLM", "OlmoForCausalLM", "Olmo3ForCausalLM"),
-    (("re:.*input_layernorm$", (*_COHERE_ATTENTION, "re:.*self_attn.gate_proj$"), None), _V_O,
-     ("re:.*pre_mlp_layernorm$", ("re:.*mlp.router$", "re:.*mlp.*gate_proj$", "re:.*mlp.*up_proj$"), None),
-     _UP_DOWN): ("AfmoeForCausalLM",),
-    (("re:.*input_layernorm$", _QKV, None), _V_O,
-     (r"re:.*language_model\.layers\.\d+\.post_attention_layernorm$",
-      (r"re:.*language_model\.layers\.\d+\.mlp\.gate_proj$", r"re:.*language_model\.layers\.\d+\.mlp\.up_proj$"),
-      None),
-     (r"re:.*language_model\.layers\.\d+\.mlp\.up_proj$", (r"re:.*language_model\.layers\.\d+\.mlp\.down_proj$",),
-      None)): ("Qwen2_5_VLForConditionalGeneration",),
-}
-BY_ARCHITECTURE = {arch: mappings for mappings, archs in _MAPPINGS.items() for arch in archs}
-# Hybrid attention and mixed dense/sparse stacks: the peer builds these from the layer types; here they must be given.
-NO_DEFAULT = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration",
-              "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration", "Step3p5ForCausalLM")
-
-
 @dataclasses.dataclass(frozen=True)
 class Mapping:
     """A resolved mapping, by full module name: `parent` is run for the loss; `hook` is the module whose input is
@@ -102,14 +40,6 @@ class Mapping:
     balance: tuple[str, ...]
     parent: str
     hook: str
-
-
-def default_mappings(architecture: str) -> tuple:
-    """The peer's AWQ mappings for a model class (config.architectures[0]); the default ones for a class it does
-    not list."""
-    if architecture in NO_DEFAULT:
-        raise UsageError(f"AWQModifier has no default mappings for {architecture} (its layers differ): give mappings")
-    return BY_ARCHITECTURE.get(architecture, _DEFAULT)
 
 
 def resolve(model: torch.nn.Module, mappings, schemes: dict[str, QuantizationScheme], duo_scaling=True

@@ -166,6 +166,22 @@ class Recipe:
         return [s.modifier for s in self.stages] + ([self.quantizer] if self.quantizer else [])
 
     @property
+    def name(self) -> str:
+        """What the recipe makes, for a default output name: its scheme, else its stages' names."""
+        if self.scheme is not None:
+            return self.scheme
+        return "-".join(s.modifier.removesuffix("Modifier") for s in self.stages)
+
+    def with_default_mappings(self, family, config) -> "Recipe":
+        """The recipe with the model's default mappings (models.family.Family's) for the stages given none: what a
+        job records, so that a later change of the defaults cannot change it silently on a resume."""
+        stages = tuple(dataclasses.replace(s, mappings=family.smoothing_mappings(config))
+                       if isinstance(s, SmoothQuant) and s.mappings is None else
+                       dataclasses.replace(s, mappings=family.awq_mappings(config))
+                       if isinstance(s, AWQ) and s.mappings is None else s for s in self.stages)
+        return dataclasses.replace(self, stages=stages)
+
+    @property
     def calibrates(self) -> bool:
         """Whether the recipe needs calibration data (forward passes): every stage and GPTQ do; round to nearest only
         for static input activations (FP8's scale, NVFP4's global scale)."""
@@ -236,14 +252,16 @@ class Recipe:
         return {name: found[name] for name in sorted(found, key=order.get)}
 
     def quantization_config(self, model: torch.nn.Module, schemes: dict[str, QuantizationScheme]
-                            ) -> QuantizationConfig:
+                            ) -> QuantizationConfig | None:
         """The config the peer writes for `schemes` (module_schemes'): one group per distinct scheme in module
         order, each with its format (the top level's: that format, or mixed-precision), and as ignored every
-        unquantized module of a quantized type as vLLM counts types (MoE routers count as Linear)."""
+        unquantized module of a quantized type as vLLM counts types (MoE routers count as Linear). None without a
+        quantizer: the peer writes none (compressed-tensors 0.19 has no sparse format: pruned weights stay dense)."""
+        if self.quantizer is None:
+            return None
         modules = dict(model.named_modules())
-        types = {get_vllm_module_type(type(modules[n]).__name__) for n in schemes}
-        ignore = [name for name, m in modules.items()
-                  if name and name not in schemes and get_vllm_module_type(type(m).__name__) in types]
+        types = {_vllm_type(modules[n]) for n in schemes}
+        ignore = [name for name, m in modules.items() if name and name not in schemes and _vllm_type(m) in types]
         groups = []
         for scheme in schemes.values():
             if scheme not in groups:
@@ -254,6 +272,12 @@ class Recipe:
             config_groups={f"group_{i}": g for i, g in enumerate(groups)},
             format=formats.pop() if len(formats) == 1 else "mixed-precision",
             quantization_status=QuantizationStatus.COMPRESSED, ignore=ignore)
+
+
+def _vllm_type(module: torch.nn.Module) -> str:
+    """A module's type as vLLM counts types (compressed-tensors' get_vllm_module_type); our own Linear modules (an
+    expert's RowsLinear) count as the Linear they stand for."""
+    return "Linear" if isinstance(module, torch.nn.Linear) else get_vllm_module_type(type(module).__name__)
 
 
 def _check_divisible(recipe: Recipe, shapes: dict[str, tuple[int, int]], schemes: dict[str, QuantizationScheme]):

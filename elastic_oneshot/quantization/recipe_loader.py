@@ -26,9 +26,6 @@ from elastic_oneshot.quantization.schemes import PRESETS, group_option, with_obs
 
 LOG_EQUALIZATION = "LogarithmicEqualizationModifier"
 READS = (GPTQ, RTN, SmoothQuant.modifier, LOG_EQUALIZATION, AWQ.modifier, SparseGPT.modifier)
-# What the layer loop runs today: the other modifiers are read (read_recipe) but refused by load_recipe until the
-# layer step runs them.
-RUNS = (GPTQ,)
 # Arguments that change nothing in a oneshot run: lifecycle fields of every modifier, memory knobs, fields the peer
 # declares but never reads.
 INERT = {"index", "group", "start", "end", "update", "requires_calibration_data"}
@@ -45,17 +42,6 @@ ARGUMENTS = {  # each modifier's arguments, and those of them that change nothin
                          {"sequential_update", "offload_hessians"}),
 }
 ARGUMENTS[LOG_EQUALIZATION] = ARGUMENTS[SmoothQuant.modifier]
-
-
-def load_recipe(recipe) -> Recipe:
-    """The recipe a run takes: `read_recipe`'s, with only the modifiers the layer loop runs (RUNS)."""
-    if isinstance(recipe, Recipe):
-        return recipe
-    modifiers = _modifiers(recipe)
-    for name, _ in modifiers:
-        if name not in RUNS:
-            raise UsageError(f"{name} is not supported: elastic-oneshot runs GPTQ only")
-    return _recipe(modifiers)
 
 
 def read_recipe(recipe) -> Recipe:

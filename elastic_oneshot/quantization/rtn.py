@@ -37,11 +37,13 @@ def fake_quantize(weight: torch.Tensor, q: QParams, args: QuantizationArgs) -> t
 
 
 def compress(weights: dict[str, torch.Tensor], schemes: dict[str, QuantizationScheme],
-             fused_scales: tuple[tuple[str, ...], ...], inputs: dict[str, dict] | None = None
-             ) -> dict[str, dict[str, torch.Tensor]]:
+             fused_scales: tuple[tuple[str, ...], ...], inputs: dict[str, dict] | None = None,
+             only: list[str] | None = None) -> dict[str, dict[str, torch.Tensor]]:
     """QuantizationModifier's result for a layer's quantized modules (`weights`: as the stages before it left them,
     by name within the layer): each module's compressed tensors by local name (packing.compress_module), with its
-    static input activations' (`inputs`: by module, e.g. input_scale) where calibrated."""
+    static input activations' (`inputs`: by module, e.g. input_scale) where calibrated. `only`: the modules to
+    compress (a rank's share), their qparams still observed with all of `weights` (a fusion group's global scale)."""
     q = qparams(weights, {name: s.weights for name, s in schemes.items()}, fused_scales)
     inputs = inputs or {}
-    return {name: compress_module(w, q[name], dict(inputs.get(name, {})), schemes[name]) for name, w in weights.items()}
+    return {name: compress_module(w, q[name], dict(inputs.get(name, {})), schemes[name]) for name, w in weights.items()
+            if only is None or name in only}

@@ -18,56 +18,12 @@ from elastic_oneshot.errors import UsageError
 
 MINIMUM_SCALE = 1e-5
 
-# Default mappings by architecture (the peer's SmoothQuant registry), as (balance patterns, smooth pattern).
-_ATTENTION = (("re:.*q_proj", "re:.*k_proj", "re:.*v_proj"), "re:.*input_layernorm")
-_MLP = (("re:.*gate_proj", "re:.*up_proj"), "re:.*post_attention_layernorm")
-_DEFAULT = (_ATTENTION, _MLP)
-# Mixtures smooth attention only: one scale over all experts unbalances them.
-_MOE = ((("re:.*q_proj$", "re:.*k_proj$", "re:.*v_proj$"), "re:.*input_layernorm$"),)
-_PARALLEL = (("re:.*self_attn\\.q_proj$", "re:.*self_attn\\.k_proj$", "re:.*self_attn\\.v_proj$"),
-             "re:.*input_layernorm$")  # attention and MLP read one norm: both balanced
-_MAPPINGS = {
-    _DEFAULT: ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration", "Glm4MoeForCausalLM",
-               "GraniteForCausalLM", "Llama4ForConditionalGeneration", "LlamaForCausalLM",
-               "Mistral3ForConditionalGeneration", "MistralForCausalLM", "NanbeigeForCausalLM", "Qwen2ForCausalLM",
-               "Qwen2_5OmniModel", "Qwen2_5OmniThinkerForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
-               "Qwen3ForCausalLM", "SeedOssForCausalLM"),
-    (_ATTENTION,): ("MixtralForCausalLM", "Ernie4_5_MoeForCausalLM"),
-    _MOE: ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"),
-    ((("re:.*query_key_value",), "re:.*input_layernorm"), (("re:.*dense_h_to_4h",), "re:.*post_attention_layernorm")):
-        ("BloomForCausalLM", "ChatGLMForConditionalGeneration"),
-    ((("re:.*qkv_proj",), "re:.*input_layernorm"), (("re:.*gate_up_proj",), "re:.*post_attention_layernorm")):
-        ("Phi3ForCausalLM", "Phi3VForCausalLM"),
-    ((("re:.*q(_a)?_proj$", "re:.*kv_a_proj_with_mqa"), "re:.*input_layernorm"),):
-        ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM", "GlmMoeDsaForCausalLM"),
-    (((*_PARALLEL[0], "re:.*mlp\\.gate_proj$", "re:.*mlp\\.up_proj$"), _PARALLEL[1]),):
-        ("CohereForCausalLM", "Cohere2ForCausalLM", "Cohere2VisionForConditionalGeneration"),
-    (((*_PARALLEL[0], "re:.*gate_proj$", "re:.*up_proj$"), _PARALLEL[1]),): ("Cohere2MoeForCausalLM",),
-    ((("re:.*self_attn\\.q_proj", "re:.*self_attn\\.k_proj", "re:.*self_attn\\.v_proj", "re:.*self_attn\\.gate_proj"),
-      "re:.*input_layernorm"), (("re:.*mlp.*gate_proj", "re:.*mlp.*up_proj"), "re:.*pre_mlp_layernorm")):
-        ("AfmoeForCausalLM",),
-}
-BY_ARCHITECTURE = {arch: mappings for mappings, archs in _MAPPINGS.items() for arch in archs}
-# Hybrid attention: the peer builds these from the layer types; here they must be given.
-NO_DEFAULT = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
-              "Qwen3_5MoeForConditionalGeneration")
-
-
 @dataclasses.dataclass(frozen=True)
 class Mapping:
     """A resolved mapping: full module names."""
 
     smooth: str
     balance: tuple[str, ...]
-
-
-def default_mappings(architecture: str) -> tuple[tuple[tuple[str, ...], str], ...]:
-    """The peer's SmoothQuant mappings for a model class (config.architectures[0]); the default ones for a class
-    it does not list."""
-    if architecture in NO_DEFAULT:
-        raise UsageError(f"SmoothQuantModifier has no default mappings for {architecture} (hybrid attention): "
-                         "give mappings")
-    return BY_ARCHITECTURE.get(architecture, _DEFAULT)
 
 
 def resolve(model: torch.nn.Module, mappings, ignore: tuple[str, ...] = ()) -> list[Mapping]:

@@ -32,7 +32,8 @@ SCHEMES = _Presets()
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="elastic-oneshot", description="Elastic, resumable GPTQ compression.")
+    p = argparse.ArgumentParser(prog="elastic-oneshot", description="Elastic, resumable compression: GPTQ, and "
+                                "llmcompressor's recipes.")
     sub = p.add_subparsers(dest="command", required=True)
     _run_arguments(sub.add_parser("run", help="compress a model (run again to resume)"))
     _other_commands(sub)
@@ -44,8 +45,9 @@ def _run_arguments(run):
     run.add_argument("--dataset", default="builtin",
                      help="builtin, a .jsonl/.json/.txt/.parquet file, a save_to_disk directory, or a hub name")
     run.add_argument("--text-column", default="text")
-    run.add_argument("--recipe", help="llmcompressor recipe: a YAML file (or text) with one GPTQModifier; "
-                     "replaces --scheme and the GPTQ options below")
+    run.add_argument("--recipe", help="llmcompressor recipe: a YAML file (or text) of GPTQModifier or "
+                     "QuantizationModifier, after SmoothQuantModifier, AWQModifier, SparseGPTModifier; replaces "
+                     "--scheme and the GPTQ options below")
     run.add_argument("--scheme", default="W4A16", choices=SCHEMES, metavar="SCHEME",
                      help="a compressed-tensors preset scheme, such as W4A16 (the default), W8A8, FP8, FP8_BLOCK, "
                           "NVFP4 or MXFP4; an unknown name lists them all")

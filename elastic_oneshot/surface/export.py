@@ -32,6 +32,7 @@ from elastic_oneshot.durability.state import StateStore
 from elastic_oneshot.errors import CorruptStateError, StorageError, UsageError
 from elastic_oneshot.loop import model_check
 from elastic_oneshot.loop.job import Job
+from elastic_oneshot.loop.passes import SCALES
 from elastic_oneshot.models.content import Content
 from elastic_oneshot.models.loadable import check_loadable
 from elastic_oneshot.models.source import SourceModel
@@ -127,7 +128,8 @@ class Export:
                     shutil.copyfile(src, os.path.join(partial, fname))
             shutil.copyfile(os.path.join(source.path, "config.json"), os.path.join(partial, "config.json"))
             quantization = job.recipe.quantization_config(source.skeleton, self.schemes)
-            ModelCompressor(quantization_config=quantization).update_config(partial)
+            if quantization is not None:  # a recipe without a quantizer writes a dense checkpoint, as the peer's
+                ModelCompressor(quantization_config=quantization).update_config(partial)
             check_loadable(partial, source, quantization, job.trust_remote_code)
             write_marker(partial, self.fingerprint, sorted(set(os.listdir(partial)) - {MARKER}))
         self.destination.publish(partial, self.fingerprint)
@@ -197,12 +199,14 @@ def _os_error(e: Exception) -> OSError:
 
 
 def _starts(source: SourceModel, schemes: dict, num_layers: int) -> dict[int, str]:
-    """Per layer, a name at or below every name its quantized tensors are written under (each is a quantized
-    module's name as stored, a dot, and a leaf): the least of those modules' names with the dot; "" for a layer
-    with none (read first: it holds nothing)."""
+    """Per layer, a name at or below every name its committed tensors are written under (each is a module's name
+    as stored, a dot, and a leaf: a quantized module's, or a tensor the recipe changed in place, such as a folded
+    norm): the least of its modules' names with the dot."""
     starts = dict.fromkeys(range(num_layers), "")
-    for layer, modules in enumerate(source.by_layer(list(schemes))):
-        stored = [source.stored_name(f"{source.layer_prefix}{layer}.{m}.weight").rpartition(".")[0] for m in modules]
+    for layer in range(num_layers):
+        prefix = f"{source.layer_prefix}{layer}."
+        names = source.layers[layer].state_dict()
+        stored = [source.stored_name(f"{prefix}{name}").rpartition(".")[0] for name in names]
         starts[layer] = min((f"{name}." for name in stored), default="")
     return starts
 
@@ -210,7 +214,9 @@ def _starts(source: SourceModel, schemes: dict, num_layers: int) -> dict[int, st
 def _tensors(source: SourceModel, starts: dict[int, str],
              layer_tensors: Callable[[int], dict]) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors in name order, under the names the source stores them by: the source's, with each
-    layer's quantized ones (`layer_tensors`, by skeleton name) in place of the weights they replace. A layer is read
+    layer's committed ones (`layer_tensors`, by skeleton name) in place of those they replace: a tensor the source
+    holds replaces itself (a folded norm, a pruned weight, an FP8 weight), any other (weight_packed, weight_scale)
+    its module's weight; the passes' own (their scales) are not written. A layer is read
     once the walk reaches `starts[layer]`, so that its names are known before any name after them goes out; each
     tensor is let go as it goes out. Each layer's names being contiguous, one layer is held at a time."""
     order = sorted(starts, key=lambda layer: (starts[layer], layer))
@@ -220,10 +226,12 @@ def _tensors(source: SourceModel, starts: dict[int, str],
     while True:
         while order and (name is None or starts[order[0]] <= name):
             for key, tensor in layer_tensors(order.pop(0)).items():
+                if key.endswith(f".{SCALES}"):
+                    continue
                 stored = source.stored_name(key)
                 pending[stored] = tensor
                 heapq.heappush(heap, stored)
-                replaced.add(stored.rsplit(".", 1)[0] + ".weight")
+                replaced.add(stored if stored in source.weight_map else stored.rsplit(".", 1)[0] + ".weight")
         if heap and (name is None or heap[0] < name):
             out = heapq.heappop(heap)
             tensor = pending.pop(out)

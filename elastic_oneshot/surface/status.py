@@ -13,6 +13,7 @@ import json
 import sys
 import time
 
+from elastic_oneshot.durability import layout
 from elastic_oneshot.durability.coordinator import open_records
 from elastic_oneshot.durability.protocol import CommitProtocol
 from elastic_oneshot.durability.records import Records
@@ -57,7 +58,20 @@ def report(state: StateStore | str, now: float | None = None, records: Records |
         "redone_layers": history.redone(), "faults": history.faults,
         "commits": [{"layer": c["layer"], "epoch": c["epoch"], "time": c["time"]} for c in commits],
         **_replay(state, records, committed, total, commits),
+        **_passes(state, job),
     }
+
+
+def _passes(state: StateStore, job: dict) -> dict:
+    """For a recipe of several passes, each pass's layers committed: {"passes": [{"modifier", "layers_done"}]} (the
+    last pass's are the report's own); nothing for a recipe of one."""
+    recipe = job["job"].get("recipe") or {}
+    names = [s["modifier"] for s in recipe.get("stages", [])] + ([recipe.get("quantizer", "GPTQModifier")]
+                                                                  if recipe.get("quantizer", "") is not None else [])
+    if len(names) < 2:
+        return {}
+    done = [len(open_records(state, stage=layout.stage(i, name)).committed()) for i, name in enumerate(names[:-1])]
+    return {"passes": [{"modifier": n, "layers_done": d} for n, d in zip(names, done + [None])]}
 
 
 def _replay(state: StateStore, records: Records, committed: dict[int, int], total: int, commits: list[dict]) -> dict:
@@ -73,8 +87,12 @@ def _replay(state: StateStore, records: Records, committed: dict[int, int], tota
 def render(r: dict) -> str:
     """The report as text; --json prints the same report (with commit times besides)."""
     where = f", coordinator {r['coordinator']}" if r["coordinator"] else ""
-    lines = [f"state {r['state']} (model {r['model']}{where})",
-             f"layers: {r['layers_done']}/{r['layers_total']} committed" + (" (complete)" if r["complete"] else "")]
+    lines = [f"state {r['state']} (model {r['model']}{where})"]
+    if "passes" in r:  # a recipe's passes before the last: their layers committed
+        lines.append("passes: " + ", then ".join(
+            f"{p['modifier']} {r['layers_done'] if p['layers_done'] is None else p['layers_done']}/"
+            f"{r['layers_total']}" for p in r["passes"]) + " (below: the last pass)")
+    lines.append(f"layers: {r['layers_done']}/{r['layers_total']} committed" + (" (complete)" if r["complete"] else ""))
     if r["seconds_per_layer"] is not None:
         lines.append(f"speed: {r['seconds_per_layer']:.1f} s per layer (last {RECENT} layers of the latest epoch), "
                      f"ETA {_duration(r['eta_s'])}")

@@ -40,3 +40,31 @@ def run_peer(model_dir: str, out: str, samples: int, seq_len: int, group_size: i
     model.save_pretrained(out, save_compressed=True)
     tokenizer.save_pretrained(out)
     return out
+
+
+def run_recipe(model_dir: str, out: str, samples: int, seq_len: int, recipe, moe: bool = False,
+               dataset: str = "builtin", dtype: str = "float32") -> str:
+    """llmcompressor 0.14's oneshot with `recipe` (its modifier objects) on our calibration tokens, in its default
+    pipeline (independent: each modifier over every layer before the next), written as it writes it to `out`. With
+    `moe`, every expert calibrates on every token. On a machine without an accelerator its AWQ pins its caches and
+    fails: pinning is a no-op for the call."""
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from llmcompressor.pipelines.cache import IntermediatesCache
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    ids = calibration_samples(dataset, tokenizer, samples, seq_len, seed=0)
+    ids = ids[torch.argsort(torch.argsort(torch.tensor([seq_len] * samples), descending=True))]  # as run_peer
+    ds = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist()})
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype),
+                                                              attn_implementation="eager")
+    pin = IntermediatesCache.pin_memory
+    IntermediatesCache.pin_memory = lambda self, *args, **kwargs: None
+    try:
+        oneshot(model=model, dataset=ds, recipe=recipe, num_calibration_samples=samples, max_seq_length=seq_len,
+                shuffle_calibration_samples=False, **({"moe_calibrate_all_experts": True} if moe else {}))
+    finally:
+        IntermediatesCache.pin_memory = pin
+    model.save_pretrained(out, save_compressed=True)
+    tokenizer.save_pretrained(out)
+    return out

@@ -1,0 +1,105 @@
+"""Each recipe of issue 46's table, ours against llmcompressor 0.14's oneshot on the same model and tokens: wall time
+and peak RSS of each side's process, from its start to its saved checkpoint, and their ratios.
+
+    python bench/recipes.py                                   # every recipe, SmolLM2-135M, 128 x 512 tokens
+    python bench/recipes.py --recipe awq_w4a16_asym --samples 16
+
+The recipes are elastic_oneshot/testing/recipes.py's (the parity tests'), with groups of 64 for the W4A16 ones
+(SmolLM2's 576 columns); ours runs them from their YAML in one process, the peer from the same YAML's modifier
+objects in its default pipeline (testing.peer.run_recipe). Goal (issue 46): ours at most 0.8 of the peer's wall, and
+QuantizationModifier without calibration data (fp8_dynamic) at most the time to read and write the model, timed as a
+process that reads every tensor of the checkpoint and writes them all to a new file ("read + write").
+"""
+
+import argparse
+import json
+import os
+import shutil
+import sys
+
+from vs_llmcompressor import measure
+
+from elastic_oneshot.testing.recipes import RECIPES, peer_recipe, recipe_yaml
+
+GROUP = 64
+DATA_FREE = ("fp8_dynamic",)
+
+
+def copy_model(model: str, out: str):
+    """Every tensor of the model's safetensors files read, then written to `out` (the data-free floor)."""
+    from safetensors.torch import load_file, save_file
+
+    os.makedirs(out, exist_ok=True)
+    for name in sorted(f for f in os.listdir(model) if f.endswith(".safetensors")):
+        save_file(load_file(os.path.join(model, name)), os.path.join(out, name))
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", help="default: the embedded SmolLM2-135M")
+    p.add_argument("--recipe", action="append", choices=list(RECIPES), help="repeatable; default: every recipe")
+    p.add_argument("--samples", type=int, default=128)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--workdir", default="bench-work/recipes")
+    p.add_argument("--peer-child", nargs=3, metavar=("RECIPE", "MODEL", "OUT"), help=argparse.SUPPRESS)
+    p.add_argument("--copy-child", nargs=2, metavar=("MODEL", "OUT"), help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.peer_child:
+        from elastic_oneshot.testing.peer import run_recipe
+
+        name, model, out = a.peer_child
+        return run_recipe(model, out, a.samples, a.seq_len, peer_recipe(name, group=GROUP))
+    if a.copy_child:
+        return copy_model(*a.copy_child)
+
+    from elastic_oneshot.models.default_model import default_model
+
+    model = a.model or default_model()
+    names = a.recipe or list(RECIPES)
+    os.makedirs(a.workdir, exist_ok=True)
+    print(f"model {model}\n{a.samples} samples x {a.seq_len} tokens, {os.cpu_count()} cores", flush=True)
+    rows = {"read + write": measure([sys.executable, __file__, "--copy-child", model, _fresh(a.workdir, "copy")],
+                                    os.path.join(a.workdir, "copy.log"))}
+    for name in names:
+        rows[name] = (*_ours(a, model, name), *_peer(a, model, name))
+        print(f"{name}: ours {rows[name][0]:.1f} s, peer {rows[name][2]:.1f} s", flush=True)
+    _table(rows, names)
+    with open(os.path.join(a.workdir, "result.json"), "w") as f:
+        json.dump({"samples": a.samples, "seq_len": a.seq_len, "rows": rows}, f)
+
+
+def _fresh(workdir: str, name: str) -> str:
+    path = os.path.join(workdir, name)
+    for d in (path, path + ".state"):
+        shutil.rmtree(d, ignore_errors=True)
+    return path
+
+
+def _ours(a, model: str, name: str) -> tuple[float, float]:
+    out = _fresh(a.workdir, f"{name}-ours")
+    with open(f"{out}.yaml", "w") as f:
+        f.write(recipe_yaml(name, group=GROUP))
+    return measure([sys.executable, "-m", "elastic_oneshot", "run", "--model", model, "--recipe", f"{out}.yaml",
+                    "--num-samples", str(a.samples), "--seq-len", str(a.seq_len), "--output", out], f"{out}.log")
+
+
+def _peer(a, model: str, name: str) -> tuple[float, float]:
+    out = _fresh(a.workdir, f"{name}-peer")
+    return measure([sys.executable, __file__, "--peer-child", name, model, out, "--samples", str(a.samples),
+                    "--seq-len", str(a.seq_len)], f"{out}.log")
+
+
+def _table(rows: dict, names: list[str]):
+    copy_wall, copy_rss = rows["read + write"]
+    print(f"\n{'recipe':20}{'ours s':>9}{'peer s':>9}{'ratio':>7}{'ours GB':>9}{'peer GB':>9}{'ratio':>7}")
+    for name in names:
+        wall_o, rss_o, wall_p, rss_p = rows[name]
+        goal = f"   goal <= 0.8 of the peer's wall, <= read + write ({copy_wall:.1f} s): x{wall_o / copy_wall:.2f}" \
+            if name in DATA_FREE else "   goal <= 0.8"
+        print(f"{name:20}{wall_o:9.1f}{wall_p:9.1f}{wall_o / wall_p:7.3f}{rss_o:9.2f}{rss_p:9.2f}{rss_o / rss_p:7.3f}"
+              f"{goal}")
+    print(f"{'read + write':20}{copy_wall:9.1f}{'':16}{copy_rss:9.2f}")
+
+
+if __name__ == "__main__":
+    main()

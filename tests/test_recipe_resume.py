@@ -1,0 +1,81 @@
+"""Each modifier, elastic and resumable layer by layer: a recipe's job killed (kill -9 of every worker) at W=2 inside
+one of its passes, then resumed at another world size (torchrun, gloo), writes the uninterrupted W=1 run's bytes.
+A resume inside the last pass replays its committed layers with the earlier passes' decisions applied."""
+
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from elastic_oneshot.testing.recipes import recipe_yaml
+from elastic_oneshot.testing.runs import assert_same_bits, one_thread_env, run_cli, torchrun_cmd, workers
+from elastic_oneshot.testing.tiny import make_model
+
+LAYERS = 8
+JOB = ["--num-samples", 24, "--seq-len", 128, "--chunk-size", 4]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return make_model(str(tmp_path_factory.mktemp("models") / "llama8"), "llama", num_hidden_layers=LAYERS,
+                      num_key_value_heads=4)
+
+
+@pytest.fixture(scope="module")
+def reference(model, tmp_path_factory):
+    """The uninterrupted W=1 run of a recipe, each made once."""
+    made = {}
+
+    def make(name: str):
+        if name not in made:
+            root = tmp_path_factory.mktemp(f"reference-{name}")
+            (root / "recipe.yaml").write_text(recipe_yaml(name))
+            run_cli("run", "--model", model, "--recipe", root / "recipe.yaml", "--output", root / "out", *JOB,
+                    env=one_thread_env())
+            made[name] = root / "out"
+        return made[name]
+    return make
+
+
+def run_at(size: int, *args) -> subprocess.CompletedProcess:
+    """`elastic-oneshot run ARGS` at `size` ranks of one thread (one process without torchrun at 1)."""
+    if size == 1:
+        return run_cli("run", *args, env=one_thread_env())
+    proc = subprocess.run(torchrun_cmd(size, "run", *args), capture_output=True, text=True, env=one_thread_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("name, folder, resumed, boundaries", [
+    ("smoothquant_w8a8", "stages/00-SmoothQuantModifier", 3, "auto"),
+    ("smoothquant_w8a8", "", 1, "0"),  # in GPTQ's pass, replayed from the embeddings through smoothed layers
+    ("awq_w4a16_asym", "stages/00-AWQModifier", 3, "2"),
+    ("awq_w4a16_asym", "", 3, "auto"),  # in QuantizationModifier's pass, which has no forward
+    ("sparse_2of4_fp8", "stages/00-SparseGPTModifier", 1, "2"),
+    ("nvfp4", "", 3, "2"),  # QuantizationModifier with static inputs: the only pass
+])
+def test_killed_in_a_pass_then_resumed_at_another_world_size(model, reference, tmp_path, name, folder, resumed,
+                                                             boundaries):
+    recipe, out, state = tmp_path / "recipe.yaml", tmp_path / "out", tmp_path / "state"
+    recipe.write_text(recipe_yaml(name))
+    args = ["--model", model, "--recipe", recipe, "--output", out, "--state", state, *JOB,
+            "--boundary-every", boundaries]
+    with open(tmp_path / "w2.log", "w") as log:
+        launcher = subprocess.Popen(torchrun_cmd(2, "run", *args), stdout=log, stderr=subprocess.STDOUT,
+                                    env=one_thread_env())
+    commits = state / folder / "commits"
+    while not (commits / "00001.e00001.json").exists():
+        assert launcher.poll() is None, (tmp_path / "w2.log").read_text()[-3000:]
+        time.sleep(0.005)
+    for proc in workers(launcher).values():
+        proc.send_signal(signal.SIGKILL)
+    launcher.wait(timeout=60)
+    done = sorted(os.listdir(commits))
+    assert f"{LAYERS - 1:05d}.e00001.json" not in done, "the pass ended before the kill: make the job bigger"
+    print(f"\n{name}: killed at W=2 with {len(done)} of {LAYERS} layers of {folder or 'the last pass'} committed")
+    assert "belongs to this job: resuming" in run_at(resumed, *args).stderr
+    assert_same_bits(out, reference(name))
