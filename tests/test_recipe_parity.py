@@ -18,6 +18,7 @@ from elastic_oneshot.testing.tiny import make_model, make_moe
 from tests.peer_modifiers import one_thread  # noqa: F401 (a fixture)
 from tests.recipe_cases import (
     UNLOADABLE_MOE,
+    WITHOUT_EARLY_GUARD,
     checkpoint,
     committed,
     loads_and_generates,
@@ -48,7 +49,9 @@ def pair(models, tmp_path_factory):
             paths[model] = models[model]()
         if (model, name) not in made:
             root, moe = tmp_path_factory.mktemp(f"{model}-{name}"), model == "qwen3_moe"
-            proc = run_ours(paths[model], root / "ours", name, samples, SEQ, moe, group, check=False)
+            late = moe and name in UNLOADABLE_MOE  # refused before any work: the layers committed without that check
+            proc = run_ours(paths[model], root / "ours", name, samples, SEQ, moe, group, check=False,
+                            **({"program": WITHOUT_EARLY_GUARD} if late else {}))
             before = torch.get_num_threads()
             torch.set_num_threads(1)
             try:
@@ -96,12 +99,17 @@ def test_tiny_llama_equals_the_peer(pair, name):
 @pytest.mark.slow
 @pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("name", RECIPES)
-def test_tiny_qwen3_moe_equals_the_peer(pair, name):
+def test_tiny_qwen3_moe_equals_the_peer(pair, name, tmp_path):
     """Where transformers cannot load the format for per-expert Qwen3-MoE (the peer's output fails to load too),
-    our export refuses in one line, and the committed layers are compared."""
+    our run refuses in one line before any work, and the layers a run without that check commits (its export then
+    refuses) are compared."""
     proc, ours, peer = pair("qwen3_moe", name)
     if name not in UNLOADABLE_MOE:  # where a 2:4 pair is a near tie, the two Hessians' last bits may choose apart
         return check(name, proc, ours, peer, exact_masks=1e-5)
+    refused = run_ours(make_moe(str(tmp_path / "moe"), intermediate=128, attention=False), tmp_path / "out", name,
+                       SAMPLES, SEQ, True, check=False)
+    assert refused.returncode == 2 and "refused before any work" in refused.stderr, refused.stderr[-3000:]
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.state").exists()
     assert proc.returncode == 2 and "is not usable" in proc.stderr, proc.stderr[-3000:]
     same = same_layer0_codes(committed(f"{ours}.state"), checkpoint(peer))
     print(f"\n{name}: layer 0's committed codes identical to llmcompressor 0.14's: {same:.4%}")
