@@ -24,7 +24,16 @@ from elastic_oneshot.errors import UsageError
 from elastic_oneshot.models.family import Family
 from elastic_oneshot.models.loadable import load_keys
 from elastic_oneshot.models.source import SourceModel
-from elastic_oneshot.testing.runs import SWEEP, assert_solved, check_compressed, heldout, module_errors, packed_modules
+from elastic_oneshot.surface.evaluate import perplexity
+from elastic_oneshot.testing.runs import (
+    SWEEP,
+    assert_solved,
+    check_compressed,
+    heldout,
+    module_errors,
+    packed_modules,
+    run_cli,
+)
 from elastic_oneshot.testing.tiny import MULTIMODAL, make_tiny, make_tiny_multimodal
 
 DENSE = ["llama", "mistral", "ministral", "qwen2", "qwen3", "phi3", "olmo", "olmo2", "granite", "cohere", "starcoder2",
@@ -187,3 +196,15 @@ def test_sweep_lists_name_distinct_types_transformers_builds():
     listed = DENSE + MOE + sorted(REFUSED) + sorted(MULTIMODAL)
     assert len(listed) == len(set(listed))
     assert not [t for t in listed if t not in transformers.CONFIG_MAPPING]
+
+
+@pytest.mark.slow
+def test_eval_loads_a_taught_type_as_the_run_did(tmp_path):
+    """`elastic-oneshot eval` in a new process teaches transformers the fused experts first: GraniteMoE's perplexity
+    equals this process's (taught when it compressed), where untaught its experts would be random."""
+    model = make_tiny(str(tmp_path / "granitemoe"), "granitemoe", moe=True)
+    out = str(tmp_path / "out")
+    oneshot(model=model, output_dir=out, **SWEEP)
+    args = ["eval", "--model", out, "--num-samples", 4, "--seq-len", 32]
+    printed = run_cli(*args).stdout
+    assert f"perplexity {perplexity(out, 'builtin', 4, 32):.4f} " in printed, printed
