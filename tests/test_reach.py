@@ -4,9 +4,9 @@ routing its first layers, hyper-connected hidden states), GLM-MoE-DSA (top-k ind
 Kimi Linear and OLMo hybrid (short convolutions stored in parts), MiniCPM3 (an integer buffer built), BLOOM, GPT-J and
 GPTBigCode (`transformer.h` stacks), GraniteMoeShared. Tiny random models of each are compressed with GPTQ everywhere
 (no module fell back to round-to-nearest), loaded in a fresh interpreter that never imported elastic_oneshot with
-nothing missing or unexpected (but the fused experts of Gemma 4's MoE and GraniteMoeShared: FRESH_FUSED), generate
-there, and their logits there are closer to the original's than those of round-to-nearest from the same qparams on the
-same tokens (as tests/test_spine.py measures it).
+nothing missing or unexpected (Gemma 4's MoE and GraniteMoeShared once taught, as their README.md says: FRESH_FUSED),
+generate there, and their logits there are closer to the original's than those of their round-to-nearest twin from the
+same scales on the same held-out tokens (testing.runs.check_compressed, as the sweep checks them).
 
 Beside them: the layer loop's call of each layer gives transformers' own hidden states bit for bit; what rides with
 the hidden states gives the same bytes at two ranks and after replays from a boundary or the embeddings; a decoder whose
@@ -18,26 +18,20 @@ import glob
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 import transformers
-from compressed_tensors.quantization import fake_quantize
 from safetensors.torch import load_file, save_file
 
 from elastic_oneshot import oneshot
 from elastic_oneshot.errors import UsageError
-from elastic_oneshot.loop.data import heldout_samples
 from elastic_oneshot.loop.layer_step import LayerStep
 from elastic_oneshot.models import family, stored_names
 from elastic_oneshot.models.families import gpt_blocks
-from elastic_oneshot.models.moe import Experts
 from elastic_oneshot.models.source import Embedder, SourceModel
-from elastic_oneshot.quantization import gptq
 from elastic_oneshot.quantization.recipe import Recipe
-from elastic_oneshot.testing.runs import packed_modules, run_world, tree_digest
+from elastic_oneshot.testing.runs import check_compressed, packed_modules, run_world, tree_digest
 from elastic_oneshot.testing.tiny import TINY_TYPE, make_tiny
 from tests.peer_modifiers import one_thread  # noqa: F401 (a fixture)
 
@@ -51,27 +45,6 @@ ROUTED = {("gemma4_text", True): 4 * 4 * 3}
 # elastic_oneshot.teach_transformers(path) first, as for GPT-OSS and GraniteMoE.
 FRESH_FUSED = {("gemma4_text", True), ("granitemoeshared", True)}
 SAMPLES, SEQ, GROUP = 16, 64, 32
-
-# Run by a fresh interpreter: what a user does with the checkpoint, nothing of elastic_oneshot imported (unless told
-# to teach transformers first, for the logits of a type it cannot load yet).
-LOAD = r"""
-import json, sys
-import torch, transformers
-from safetensors.torch import load_file, save_file
-out, ids_file, logits_file, teach = sys.argv[1:5]
-if teach == "teach":
-    import elastic_oneshot
-    elastic_oneshot.teach_transformers(out)
-model, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True,
-                                                                attn_implementation="eager")
-ids = load_file(ids_file)["ids"]
-with torch.no_grad():
-    save_file({"logits": model(input_ids=ids).logits.contiguous()}, logits_file)
-    generated = model.generate(input_ids=ids[:1, :4], max_new_tokens=3, do_sample=False)
-print(json.dumps({"missing": sorted(info["missing_keys"]), "unexpected": sorted(info["unexpected_keys"]),
-                  "generated": list(generated.shape), "imported": "elastic_oneshot" in sys.modules}))
-"""
-
 
 def tiny(path, model_type: str, moe: bool, monkeypatch) -> str:
     """The tiny model of the type; Gemma 4's MoE with its MoE block on (and keys equal to values in full attention);
@@ -88,47 +61,6 @@ def tiny(path, model_type: str, moe: bool, monkeypatch) -> str:
             weights[name] = torch.stack([torch.randperm(4, generator=draw)[:top_k] for _ in range(vocab)])
         save_file(weights, os.path.join(model, "model.safetensors"), metadata={"format": "pt"})
     return model
-
-
-def fresh_load(out: str, ids: torch.Tensor, tmp_path, teach: bool = False) -> tuple[dict, torch.Tensor]:
-    """What a fresh interpreter makes of checkpoint `out`: its loading info and generation, and its logits on `ids`."""
-    save_file({"ids": ids}, str(tmp_path / "ids.safetensors"))
-    proc = subprocess.run([sys.executable, "-c", LOAD, out, str(tmp_path / "ids.safetensors"),
-                           str(tmp_path / "logits.safetensors"), "teach" if teach else "plain"],
-                          capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.splitlines()[-1]), load_file(str(tmp_path / "logits.safetensors"))["logits"]
-
-
-def round_to_nearest(model: torch.nn.Module, source: SourceModel, schemes: dict):
-    """Every module of `schemes` (skeleton names) in `model` (transformers', fused experts and all) rounded to nearest
-    with the qparams GPTQ starts from: each fused expert's slice found through the skeleton's own split of it."""
-    containers = {n: m for n, m in source.skeleton.named_modules() if isinstance(m, Experts)}
-    done = set()
-    with torch.no_grad():
-        for name, container in containers.items():
-            for param in container.layout.fused:
-                fused = model.get_parameter(f"{name}.{param}")
-                index = torch.arange(fused.numel()).reshape(fused.shape)
-                for key, where in container.unfused(param, index).items():
-                    module = f"{name}.{key.removesuffix('.weight')}"
-                    if module in schemes:
-                        flat = fused.data.view(-1)
-                        flat[where.reshape(-1)] = _rtn(flat[where.reshape(-1)].reshape(where.shape),
-                                                       schemes[module].weights).reshape(-1)
-                        done.add(module)
-        for module in set(schemes) - done:
-            linear = model.get_submodule(module)
-            linear.weight.data = _rtn(linear.weight.data, schemes[module].weights)
-
-
-def _rtn(weight: torch.Tensor, args) -> torch.Tensor:
-    scale, zero_point = gptq.qparams(weight, args)
-    return fake_quantize(weight, scale, zero_point, args)
-
-
-def relative_error(logits: torch.Tensor, original: torch.Tensor) -> float:
-    return (torch.linalg.norm(logits - original) / torch.linalg.norm(original)).item()
 
 
 @pytest.mark.slow
@@ -154,27 +86,13 @@ def test_compressed_beats_round_to_nearest_and_loads_in_a_fresh_interpreter(mode
     assert len(routed) == ROUTED.get((model_type, moe), 2 * 4 * 3 if moe else 0)
     assert set(routed + shared) <= set(schemes)
 
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model)
-    ids = heldout_samples("builtin", tokenizer, 4, SEQ)
-    info, logits = fresh_load(out, ids, tmp_path)
-    assert not info["imported"] and info["generated"] == [1, 7]
-    fused = sorted(f"{n}.{p}" for n, m in source.skeleton.named_modules() if isinstance(m, Experts)
-                   for p in m.layout.fused) if (model_type, moe) in FRESH_FUSED else []
-    assert info["missing"] == fused and (fused or not info["unexpected"]), info
-    if fused:  # its logits as transformers gives them once taught, as the checkpoint's README says
-        assert "elastic_oneshot.teach_transformers(path)" in open(os.path.join(out, "README.md")).read()
-        info, logits = fresh_load(out, ids, tmp_path, teach=True)
-        assert info["missing"] == info["unexpected"] == [], info
-
-    original = transformers.AutoModelForCausalLM.from_pretrained(model, attn_implementation="eager").eval()
-    with torch.no_grad():
-        reference = original(input_ids=ids).logits
-        round_to_nearest(original, source, schemes)
-        rtn = original(input_ids=ids).logits
-    err, err_rtn = relative_error(logits, reference), relative_error(rtn, reference)
+    # loaded as a user loads it, in a fresh interpreter, with its round-to-nearest twin (testing.runs); taught first
+    # where the checkpoint's README.md says so
+    fused = (model_type, moe) in FRESH_FUSED
+    err, err_rtn = check_compressed(model, out, teach=fused)
     table.append(f"{model_type:17} {'moe' if moe else 'dense':5} {len(codes):3} quantized {len(routed):3} routed "
                  f"{len(shared):2} shared expert projections {len(dense):2} kept dense  logit error {err:.4f} "
-                 f"(round-to-nearest {err_rtn:.4f})  fresh interpreter: {len(fused)} missing")
+                 f"(round-to-nearest {err_rtn:.4f})  fresh interpreter: {'taught' if fused else 'as written'}")
     assert 0 < err < err_rtn < 1
 
 
