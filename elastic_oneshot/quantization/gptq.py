@@ -185,6 +185,7 @@ class QParams(NamedTuple):
     global_scale: torch.Tensor | None = None  # tensor group: [1] fp32, shared across the fusion group
 
 
+@torch.no_grad()  # compressed-tensors caches its range tensors: inference tensors, if first made in inference mode
 def qparams(weight: torch.Tensor, args: QuantizationArgs, global_scale: torch.Tensor | None = None
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale and zero point from the weight's min and max per qparam (the peer's memoryless_minmax)."""

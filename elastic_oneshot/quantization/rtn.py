@@ -22,7 +22,6 @@ class _Held(torch.nn.Module):
         self.weight = weight
 
 
-@torch.no_grad()  # compressed-tensors caches its range tensors, made in inference mode if first asked there
 def qparams(weights: dict[str, torch.Tensor], args: dict[str, QuantizationArgs],
             fused_scales: tuple[tuple[str, ...], ...]) -> dict[str, QParams]:
     """Each weight's qparams as the peer's observer gives them (`weights`, `args`: by module name within a layer;
