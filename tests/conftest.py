@@ -13,6 +13,12 @@ from launch.chaos import Cluster
 # before any test module imports etcd3 (as elastic_oneshot.distributed.etcd_client does for the product).
 os.environ.setdefault("PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION", "python")
 
+# Under pytest-xdist (the README's `-n 2`), each worker's torch and the processes its tests start default to one
+# thread: two OpenMP teams of two on 2 cores spin against each other. Tests that need a thread count set their own.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 
 @pytest.fixture(autouse=True)
 def _signal_mask():

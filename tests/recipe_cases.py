@@ -22,18 +22,27 @@ WITHOUT_EARLY_GUARD = ("-c", "import sys; from elastic_oneshot.surface import ap
                        "api.check_exportable = lambda *a, **k: None; sys.exit(cli.main())")
 
 
-def run_ours(model: str, out, name: str, samples: int, seq_len: int, moe: bool = False, group: int = 128,
-             chunk: int | None = None, check: bool = True, program=("-m", "elastic_oneshot")
-             ) -> subprocess.CompletedProcess:
-    """Our CLI in a fresh interpreter (one thread) on the recipe, its samples in one chunk by default: within a
-    chunk, Hessians are summed as the peer sums them."""
+def start_ours(model: str, out, name: str, samples: int, seq_len: int, moe: bool = False, group: int = 128,
+               chunk: int | None = None, program=("-m", "elastic_oneshot")) -> subprocess.Popen:
+    """Our CLI started in a fresh interpreter (one thread) on the recipe, its samples in one chunk by default: within
+    a chunk, Hessians are summed as the peer sums them. One thread each, so the peer's run can go on beside it."""
     recipe = f"{out}.yaml"
     with open(recipe, "w") as f:
         f.write(recipe_yaml(name, moe, group))
-    proc = subprocess.run([sys.executable, *program, "run", "--model", model, "--recipe", recipe,
-                           "--num-samples", str(samples), "--seq-len", str(seq_len), "--chunk-size",
-                           str(chunk or samples), "--output", str(out)],
-                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return subprocess.Popen([sys.executable, *program, "run", "--model", model, "--recipe", recipe,
+                             "--num-samples", str(samples), "--seq-len", str(seq_len), "--chunk-size",
+                             str(chunk or samples), "--output", str(out)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def finished(proc: subprocess.Popen) -> subprocess.CompletedProcess:
+    stdout, stderr = proc.communicate()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def run_ours(*args, check: bool = True, **kwargs) -> subprocess.CompletedProcess:
+    """start_ours, waited for; `check`: a failure raises."""
+    proc = finished(start_ours(*args, **kwargs))
     if check and proc.returncode:
         raise AssertionError(f"exit {proc.returncode}\n{proc.stderr[-3000:]}")
     return proc
