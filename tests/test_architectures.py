@@ -17,6 +17,7 @@ import pytest
 import torch
 import transformers
 from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 import elastic_oneshot.surface.export as export_module
 from elastic_oneshot import oneshot
@@ -201,10 +202,16 @@ def test_sweep_lists_name_distinct_types_transformers_builds():
 @pytest.mark.slow
 def test_eval_loads_a_taught_type_as_the_run_did(tmp_path):
     """`elastic-oneshot eval` in a new process teaches transformers the fused experts first: GraniteMoE's perplexity
-    equals this process's (taught when it compressed), where untaught its experts would be random."""
+    equals this process's (taught when it compressed), where untaught its experts would be random; a checkpoint
+    that transformers would load with a tensor missing is refused, not evaluated."""
     model = make_tiny(str(tmp_path / "granitemoe"), "granitemoe", moe=True)
     out = str(tmp_path / "out")
     oneshot(model=model, output_dir=out, **SWEEP)
     args = ["eval", "--model", out, "--num-samples", 4, "--seq-len", 32]
     printed = run_cli(*args).stdout
     assert f"perplexity {perplexity(out, 'builtin', 4, 32):.4f} " in printed, printed
+    tensors = load_file(os.path.join(out, "model.safetensors"))  # a tensor gone: random if loaded
+    del tensors["model.layers.1.input_layernorm.weight"]
+    save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    refused = run_cli(*args, check=False)
+    assert refused.returncode == 2 and "tensors missing" in refused.stderr, refused.stderr[-3000:]

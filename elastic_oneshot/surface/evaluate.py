@@ -21,10 +21,15 @@ def perplexity(model_dir: str, dataset: str = "builtin", num_samples: int = 16, 
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
         dtype = load_dtype(transformers.AutoConfig.from_pretrained(model_dir).to_dict().get("quantization_config"))
-        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, **({"dtype": dtype} if dtype else {}))
+        model, info = transformers.AutoModelForCausalLM.from_pretrained(
+            model_dir, output_loading_info=True, **({"dtype": dtype} if dtype else {}))
         model.eval()
     except OSError as e:
         raise UsageError(f"cannot load {model_dir}: {str(e).splitlines()[0]}") from None
+    if missing := info["missing_keys"]:  # transformers only reports them: their weights would be random
+        shown = ", ".join(sorted(missing)[:4]) + (" ..." if len(missing) > 4 else "")
+        raise UsageError(f"transformers loads {model_dir} with {len(missing)} tensors missing ({shown}): its "
+                         "perplexity would be a random model's")
     ids = heldout_samples(dataset, tokenizer, num_samples, seq_len, text_column)
     total, count = 0.0, 0
     for batch in ids.split(batch_size):
