@@ -155,20 +155,23 @@ def _durable(state) -> list[int]:
 def test_killed_after_some_commits_replays_from_the_newest_durable_boundary(every, llama16, tmp_path):
     """Killed once 6 of 16 layers are committed: the restart replays from the newest boundary the commits
     made durable (a bounded replay, never from the embeddings), and only the newest durable ones are kept.
-    `auto` is forced to one layer by a tiny --mtbf."""
+    `auto`, with a tiny --mtbf, writes one as often as writes do not queue: every layer where a write takes
+    less than a layer, every few on a loaded machine (one CI run: none durable by the sixth commit), so it is
+    killed once one is durable and its replay is not bounded by a fixed interval."""
     out, state = tmp_path / "out", tmp_path / "state"
     args = ["run", "--model", llama16, "--output", out, "--state", state, "--num-samples", 32, "--seq-len", 64,
             "--chunk-size", 4, "--group-size", 64, "--boundary-every", every, *(["--mtbf", 1e-6] * (every == "auto"))]
     proc = subprocess.Popen([sys.executable, "-m", "elastic_oneshot", *map(str, args)], env=one_thread_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    while not (state / "commits").is_dir() or len(_commits(state)) < 6:
-        assert proc.poll() is None, "finished before 6 commits"
+    while not (state / "commits").is_dir() or len(_commits(state)) < 6 or (every == "auto" and not _durable(state)):
+        assert proc.poll() is None, "finished before 6 commits" + " and a durable boundary" * (every == "auto")
         time.sleep(0.005)
     proc.kill()
     proc.wait()
     committed, durable = len(_commits(state)), _durable(state)
-    interval = 1 if every == "auto" else int(every)
-    assert durable and durable[-1] >= committed - interval - 1  # one due, one in flight at most behind
+    assert durable
+    if every != "auto":
+        assert durable[-1] >= committed - int(every) - 1  # one due, one in flight at most behind
     on_disk = sorted(int(d) for d in os.listdir(state / "boundaries"))
     kept = [b for b in on_disk if b <= durable[-1]]  # newer ones are written but not durable yet
     assert set(kept) <= set(durable[-3:]), (kept, durable)  # two kept, one more if killed before its pruning
