@@ -17,7 +17,7 @@ from elastic_oneshot.testing.tiny import make_model
 from launch.chaos import QUORUM_LOSS_S, Cluster, check_invariants, etcd_fault, figures, inject, reference_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-JOB = ["--num-samples", 64, "--seq-len", 256, "--group-size", 64, "--chunk-size", 8]  # a few seconds per layer
+JOB = ["--num-samples", 32, "--seq-len", 256, "--group-size", 64, "--chunk-size", 8]  # about 2 s a layer at W=2
 TIMEOUT = 10  # --collective-timeout
 HOLD = TIMEOUT + 5  # seconds a fault lasts: a cut node is noticed before it heals
 
