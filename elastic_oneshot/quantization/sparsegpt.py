@@ -21,35 +21,36 @@ def sparsify(weight: torch.Tensor, prep: Prepared, sparsity: float, n: int = 0, 
     """The pruned weight [rows, cols] (in the weight's dtype): `prep` from gptq.prepare(H[None], None, damping)
     (one matrix, identity order); `n`, `m` 0 for an unstructured mask of `sparsity`, else N of every M pruned.
     Dead columns are zeroed. The steps are the peer's, in fp32, so that on the same inverse factor the result is
-    its bit for bit."""
+    its bit for bit: every element sees the same operations in the same order. The weight is held transposed, so
+    that the loop's per-column steps each touch one contiguous line (the peer's strided columns cost more)."""
     hinv, dead = prep.hinv[0], prep.dead[0]
     W = weight.to(torch.float32, copy=True)
     W[:, dead] = 0
     rows, cols = W.shape
+    Wt = W.t().contiguous()
     for i1 in range(0, cols, block_size):
         i2 = min(i1 + block_size, cols)
         h1 = hinv[i1:i2, i1:i2]
-        w1 = W[:, i1:i2].clone()
-        kept = torch.zeros_like(w1)
-        errors = torch.zeros_like(w1)
+        w1 = Wt[i1:i2].clone()
+        kept = torch.empty_like(w1)
+        errors = torch.empty(rows, i2 - i1)  # in the peer's layout: the block's update is its matmul, same bits
         diag = torch.diag(h1).reshape(1, -1)
         if n == 0:
-            score = w1**2 / diag**2
+            score = w1.t() ** 2 / diag**2
             threshold = torch.sort(score.flatten())[0][int(score.numel() * sparsity)]
             mask = score <= threshold
         else:
-            mask = torch.zeros_like(w1) == 1
+            mask = torch.zeros(rows, i2 - i1, dtype=torch.bool)
         for i in range(i2 - i1):
             if n and i % m == 0:
-                score = w1[:, i:i + m] ** 2 / diag[:, i:i + m] ** 2
+                score = w1[i:i + m].t() ** 2 / diag[:, i:i + m] ** 2
                 mask.scatter_(1, i + torch.topk(score, n, dim=1, largest=False)[1], True)
-            w = w1[:, i]
-            q = w.clone()
-            q[mask[:, i]] = 0
-            kept[:, i] = q
+            w = w1[i]
+            q = w.masked_fill(mask[:, i], 0)
+            kept[i] = q
             err = (w - q) / h1[i, i]
-            w1[:, i:] -= err.unsqueeze(1).matmul(h1[i, i:].unsqueeze(0))
+            w1[i:] -= h1[i, i:].unsqueeze(1) * err
             errors[:, i] = err
-        W[:, i1:i2] = kept
-        W[:, i2:] -= errors.matmul(hinv[i1:i2, i2:])
-    return W.to(weight.dtype)
+        Wt[i1:i2] = kept
+        Wt[i2:] -= errors.matmul(hinv[i1:i2, i2:]).t()
+    return Wt.t().contiguous().to(weight.dtype)  # in the weight's layout: a forward's matmul bits depend on it
