@@ -1,5 +1,3 @@
-import sys
+from elastic_oneshot.surface.cli import entry
 
-from elastic_oneshot.surface.cli import main
-
-sys.exit(main())
+entry()
