@@ -1,5 +1,6 @@
 """Fixtures the test modules share; shared helpers live in elastic_oneshot/testing (runs.py, tiny.py, ...)."""
 
+import compileall
 import os
 import signal
 
@@ -8,6 +9,8 @@ import torch
 
 from elastic_oneshot.testing.tiny import make_model
 from launch.chaos import Cluster
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # etcd3's generated code loads only with protobuf's pure-Python runtime, chosen at protobuf's first import: set it
 # before any test module imports etcd3 (as elastic_oneshot.distributed.etcd_client does for the product).
@@ -42,6 +45,14 @@ def table(request):
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory):
     return make_model(str(tmp_path_factory.mktemp("models") / "llama"), "llama")
+
+
+def pytest_configure(config):
+    """This checkout's modules compiled once for the hundreds of processes the suite starts (where
+    PYTHONDONTWRITEBYTECODE is set, as on this project's machines, each would compile them again)."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        for package in ("elastic_oneshot", "launch"):
+            compileall.compile_dir(os.path.join(ROOT, package), quiet=1)
 
 
 def pytest_collection_modifyitems(config, items):
