@@ -319,7 +319,8 @@ class LayerStep:
                 for g in groups:
                     weights = {name: module.get_submodule(name).weight for name, _ in g.modules}
                     if owners[g.name] == self.world.rank:
-                        pruned.update(_sparsify(weights, hessians[g.name], stage, n, m))
+                        pruned.update(sparsegpt.sparsify_group(weights, hessians[g.name], stage.sparsity, n, m,
+                                                              stage.block_size, stage.dampening_frac))
                     else:
                         pruned.update({name: torch.empty_like(w) for name, w in weights.items()})
                     works.extend(self.world.broadcast(pruned[name], owners[g.name]) for name in weights)
@@ -530,18 +531,6 @@ def _extrema(world: World, ranges: dict, channels: dict, dtypes: dict) -> dict:
         out[n] = torch.stack([low[at:at + channels[n]], high[at:at + channels[n]]]).to(dtypes[n])
         at += channels[n]
     return out
-
-
-def _sparsify(weights: dict[str, torch.Tensor], hessian: torch.Tensor, stage, n: int, m: int) -> dict:
-    """SparseGPT of a group's modules (sharing `hessian`, factored once): N:M masks are chosen per row, so the
-    modules' rows go through one column loop; an unstructured mask's threshold is each module's own."""
-    prep = gptq.prepare(hessian[None], None, stage.dampening_frac)
-    if not n:
-        return {name: sparsegpt.sparsify(w, prep, stage.sparsity, 0, 0, stage.block_size)
-                for name, w in weights.items()}
-    stacked = sparsegpt.sparsify(torch.cat(list(weights.values())), prep, stage.sparsity, n, m, stage.block_size)
-    parts = stacked.split([w.shape[0] for w in weights.values()])
-    return {name: part.clone() for name, part in zip(weights, parts)}  # tensors of their own: the files share none
 
 
 def _owners(groups: list[Group], world_size: int, cost: Callable[[Group], float]) -> dict[str, int]:

@@ -12,6 +12,7 @@ each M columns, chosen as the loop reaches them), so rows may be split across ra
 
 import torch
 
+from elastic_oneshot.quantization import gptq
 from elastic_oneshot.quantization.gptq import Prepared
 
 
@@ -54,3 +55,15 @@ def sparsify(weight: torch.Tensor, prep: Prepared, sparsity: float, n: int = 0, 
         Wt[i1:i2] = kept
         Wt[i2:] -= errors.matmul(hinv[i1:i2, i2:]).t()
     return Wt.t().contiguous().to(weight.dtype)  # in the weight's layout: a forward's matmul bits depend on it
+
+
+def sparsify_group(weights: dict[str, torch.Tensor], hessian: torch.Tensor, sparsity: float, n: int, m: int,
+                   block_size: int, dampening_frac: float) -> dict[str, torch.Tensor]:
+    """The pruned weights of modules sharing `hessian` (by name), its inverse factored once. N:M masks are chosen
+    per row, so the modules' rows go through one column loop; an unstructured mask's threshold is each module's own."""
+    prep = gptq.prepare(hessian[None], None, dampening_frac)
+    if not n:
+        return {name: sparsify(w, prep, sparsity, 0, 0, block_size) for name, w in weights.items()}
+    stacked = sparsify(torch.cat(list(weights.values())), prep, sparsity, n, m, block_size)
+    parts = stacked.split([w.shape[0] for w in weights.values()])
+    return {name: part.clone() for name, part in zip(weights, parts)}  # tensors of their own: the files share none
