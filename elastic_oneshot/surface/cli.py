@@ -2,6 +2,7 @@
 it is imported: read_ahead.py)."""
 
 import argparse
+import contextlib
 import errno
 import gc
 import logging
@@ -164,14 +165,36 @@ def _fleet_arguments(pl):
     fl.add_argument("--plot", metavar="PNG", help="also draw wall time and cost by node count (needs matplotlib)")
 
 
+_OWN_PROCESS = False  # entry(): the process is ours, and so are its collector's settings
+
+
 def entry():
     """`elastic-oneshot` and `python -m elastic_oneshot`: `main`, then the process ends. What it made is frozen first
     (gc.freeze), so that the interpreter's teardown does not traverse every object torch and transformers made, about a
     second of every CLI's and every worker's exit. Nothing is lost: each write of ours is closed (and synced) before
     `main` returns, and atexit handlers and the flushes of stdio still run."""
+    global _OWN_PROCESS
+    _OWN_PROCESS = True
     code = main()
     gc.freeze()
     sys.exit(code)
+
+
+@contextlib.contextmanager
+def _heavy_imports():
+    """torch, transformers and compressed-tensors make some 400,000 objects as they import, and almost no garbage. In a
+    process of our own the cyclic collector is paused while they import, and what they made is then frozen out of its
+    later passes, each of which would otherwise traverse all of it: most of a second of every worker's start and run.
+    A caller's process (main() called in it) keeps its collector as it was."""
+    if not _OWN_PROCESS:
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.freeze()
+        gc.enable()
 
 
 def main(argv=None) -> int:
@@ -220,7 +243,8 @@ FLEET_ONLY = ("samples", "seq_len", "accelerator", "nodes", "gpus_per_node", "mt
 
 
 def _plan(args):
-    from elastic_oneshot.quantization.recipe import Recipe
+    with _heavy_imports():
+        from elastic_oneshot.quantization.recipe import Recipe
 
     def flags(names):
         return ", ".join("--" + n.replace("_", "-") for n in names)
@@ -252,7 +276,8 @@ def _command(args):
         from elastic_oneshot.loop import read_ahead  # no torch: the rest imports while a restart's reads begin
 
         ahead = read_ahead.start(args.state or (args.output and default_root(args.output)), args.restart)
-        from elastic_oneshot.surface.api import oneshot
+        with _heavy_imports():
+            from elastic_oneshot.surface.api import oneshot
 
         ahead.join()
         oneshot(model=args.model, dataset=args.dataset, scheme=args.scheme,
@@ -269,10 +294,11 @@ def _command(args):
                 boundary_every=args.boundary_every, mtbf_s=args.mtbf, metrics_port=args.metrics_port,
                 max_memory=args.max_memory)
     elif args.command == "export":
-        from elastic_oneshot.durability.coordinator import open_records
-        from elastic_oneshot.durability.destination import open_destination
-        from elastic_oneshot.durability.state import StateStore
-        from elastic_oneshot.surface.export import export
+        with _heavy_imports():
+            from elastic_oneshot.durability.coordinator import open_records
+            from elastic_oneshot.durability.destination import open_destination
+            from elastic_oneshot.durability.state import StateStore
+            from elastic_oneshot.surface.export import export
 
         state = StateStore(args.state)
         export(state, open_records(state), open_destination(args.output))
@@ -280,11 +306,13 @@ def _command(args):
     elif args.command == "plan":
         _plan(args)
     elif args.command == "status":
-        from elastic_oneshot.surface.status import show
+        with _heavy_imports():
+            from elastic_oneshot.surface.status import show
 
         show(args.state, as_json=args.json, plot=args.plot, watch=args.watch)
     elif args.command == "eval":
-        from elastic_oneshot.surface.evaluate import perplexity
+        with _heavy_imports():
+            from elastic_oneshot.surface.evaluate import perplexity
 
         ppl = perplexity(args.model, args.dataset, args.num_samples, args.seq_len, args.text_column)
         print(f"perplexity {ppl:.4f} on {args.num_samples} held-out samples of {args.seq_len} tokens")
