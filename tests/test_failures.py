@@ -191,11 +191,15 @@ def test_a_worker_whose_other_rank_died_or_froze_says_so_in_one_line(fault, tmp_
         while not ((state / "commits").is_dir() and os.listdir(state / "commits")):
             assert proc.poll() is None and time.monotonic() < deadline, "no layer was committed"
             time.sleep(0.05)
-        victim = _workers(proc)[1]
+        ranks = _workers(proc)
+        victim = ranks[1]
         victim.send_signal(signal.SIGSTOP)  # rank 0 now waits for it in a collective
         if fault == "killed":
             time.sleep(1.5)
             victim.send_signal(signal.SIGKILL)
+        else:  # once rank 0 has left, the stopped rank is killed: the agent's SIGTERM would wait 30 s on it
+            ranks[0].wait(timeout=120)
+            victim.kill()
         _, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:

@@ -314,8 +314,11 @@ def test_a_frozen_peer_is_named_by_the_liveness_line_and_recorded(tiny_llama, tm
     try:
         while not glob.glob(str(state / "commits/00000.*")) and proc.poll() is None:
             time.sleep(0.05)
-        stopped = workers(proc)[1]
+        ranks = workers(proc)
+        stopped = ranks[1]
         stopped.send_signal(signal.SIGSTOP)
+        ranks[0].wait(timeout=120)  # rank 0 left; the agent's SIGTERM would wait 30 s on the stopped rank
+        stopped.kill()
         proc.wait(timeout=120)
     finally:
         with contextlib.suppress(psutil.Error):
