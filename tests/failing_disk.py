@@ -23,6 +23,6 @@ def refuse_writes(code: int, after: int):
 
 if __name__ == "__main__":
     refuse_writes(getattr(errno, sys.argv[1]), int(sys.argv[2]))
-    from elastic_oneshot.surface.cli import main
+    from elastic_oneshot.surface.cli import entry
 
-    sys.exit(main(sys.argv[3:]))
+    entry(sys.argv[3:])

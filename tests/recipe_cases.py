@@ -18,8 +18,8 @@ from elastic_oneshot.testing.recipes import recipe_yaml
 # fails to convert them, or leaves the experts missing): our run refuses them before any work, so their parity is
 # checked on the layers committed by a run whose check before work is off (WITHOUT_EARLY_GUARD), refused at export
 UNLOADABLE_MOE = ("smoothquant_w8a8", "nvfp4", "awq_w4a16_asym")
-WITHOUT_EARLY_GUARD = ("-c", "import sys; from elastic_oneshot.surface import api, cli; "
-                       "api.check_exportable = lambda *a, **k: None; sys.exit(cli.main())")
+WITHOUT_EARLY_GUARD = ("-c", "from elastic_oneshot.surface import api, cli; "
+                       "api.check_exportable = lambda *a, **k: None; cli.entry()")
 
 
 def start_ours(model: str, out, name: str, samples: int, seq_len: int, moe: bool = False, group: int = 128,

@@ -56,9 +56,9 @@ def test_shared_group_spreads_its_inverse_and_rows(intermediate, kinds, tmp_path
     Cholesky panels and inverse pieces. Either way the output matches one rank's."""
     monkeypatch.setattr(cholesky, "SHARED_INVERSE_COLS", WIDE)
     script = tmp_path / "wide.py"
-    script.write_text(f"import sys\nfrom elastic_oneshot.quantization import cholesky\n"
-                      f"cholesky.SHARED_INVERSE_COLS = {WIDE}\nfrom elastic_oneshot.surface.cli import main\n"
-                      "sys.exit(main())\n")
+    script.write_text(f"from elastic_oneshot.quantization import cholesky\n"
+                      f"cholesky.SHARED_INVERSE_COLS = {WIDE}\nfrom elastic_oneshot.surface.cli import entry\n"
+                      "entry()\n")
     model = make_model(str(tmp_path / "wide"), "llama", intermediate_size=intermediate, num_hidden_layers=1)
     source = SourceModel(model)
     steps = make_plan(layer_groups(source.layers[0], ["mlp.down_proj"], source.family.input_key(False)), 3).steps

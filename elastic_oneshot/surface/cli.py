@@ -168,14 +168,14 @@ def _fleet_arguments(pl):
 _OWN_PROCESS = False  # entry(): the process is ours, and so are its collector's settings
 
 
-def entry():
+def entry(argv=None):
     """`elastic-oneshot` and `python -m elastic_oneshot`: `main`, then the process ends. What it made is frozen first
     (gc.freeze), so that the interpreter's teardown does not traverse every object torch and transformers made, about a
     second of every CLI's and every worker's exit. Nothing is lost: each write of ours is closed (and synced) before
     `main` returns, and atexit handlers and the flushes of stdio still run."""
     global _OWN_PROCESS
     _OWN_PROCESS = True
-    code = main()
+    code = main(argv)
     gc.freeze()
     sys.exit(code)
 
