@@ -158,14 +158,19 @@ def metadata(path):
         return email.parser.Parser().parsestr(z.read(name).decode())
 
 
+def download(wanted: dict, into: str) -> subprocess.CompletedProcess:
+    """The newest wheels of `wanted` (name -> spec) for the target, in one pip call (it fails if any has none)."""
+    return pip("download", "-q", "--no-deps", "--only-binary=:all:", f"--python-version={major}.{minor}",
+               "--implementation=cp", f"--abi=cp{major}{minor}", "--abi=abi3", "--abi=none",
+               *[f"--platform={p}" for p in platforms], "-d", into,
+               *[f"{n}{s}" for n, s in sorted(wanted.items())])
+
+
 def fetch(name: str, spec: SpecifierSet) -> str:
     """The newest wheel of `name` within `spec` for the target, into dest; built here from its source archive
     if the registry has no wheel for the target and the package is pure Python."""
     with tempfile.TemporaryDirectory() as tmp:
-        tags = [f"--platform={p}" for p in platforms]
-        got = pip("download", "-q", "--no-deps", "--only-binary=:all:", f"--python-version={major}.{minor}",
-                  "--implementation=cp", f"--abi=cp{major}{minor}", "--abi=abi3", "--abi=none", *tags,
-                  "-d", tmp, f"{name}{spec}")
+        got = download({name: spec}, tmp)
         if got.returncode != 0:
             built = pip("wheel", "-q", "--no-deps", f"--no-binary={name}", "-w", tmp, f"{name}{spec}")
             wheels = [w for w in os.listdir(tmp) if w.endswith(".whl")]
@@ -176,6 +181,19 @@ def fetch(name: str, spec: SpecifierSet) -> str:
         wheel = [w for w in os.listdir(tmp) if w.endswith(".whl")][0]
         shutil.move(os.path.join(tmp, wheel), os.path.join(dest, wheel))
         return os.path.join(dest, wheel)
+
+
+def fetch_all(wanted: dict) -> dict:
+    """fetch() of each of `wanted` (name -> spec), in one pip call where every one has a wheel for the target (each
+    pip call costs about a second): name -> path."""
+    with tempfile.TemporaryDirectory() as tmp:
+        if len(wanted) > 1 and download(wanted, tmp).returncode == 0:
+            found = {canonicalize_name(w.split("-")[0]): w for w in os.listdir(tmp) if w.endswith(".whl")}
+            if found.keys() == wanted.keys():
+                for w in found.values():
+                    shutil.move(os.path.join(tmp, w), os.path.join(dest, w))
+                return {n: os.path.join(dest, w) for n, w in found.items()}
+    return {n: fetch(n, spec) for n, spec in wanted.items()}
 
 
 def requirements(path, extras):
@@ -191,29 +209,34 @@ specs = {}  # name -> every specifier asked of it
 problems, unchecked = [], set()
 queue = [(r, "elastic-oneshot") for r in roots]
 expanded = set()  # (name, extra) whose requirements are queued
-while queue:
-    req, parent = queue.pop(0)
-    if req.marker is not None and not req.marker.evaluate(env):
-        continue
-    name = canonicalize_name(req.name)
-    if name in have:
-        if have[name] is not None and not req.specifier.contains(have[name], prereleases=True):
-            problems.append(f"{parent} needs {req}, and the target holds {name} {have[name]}")
-        elif have[name] is None and req.specifier:
-            unchecked.add(f"{parent.split()[0]} needs {name}{req.specifier}")
-        continue
-    specs[name] = SpecifierSet(",".join(filter(None, [str(specs.get(name, constraints.get(name, ""))),
-                                                      str(req.specifier)])))
-    if name in wheels and not specs[name].contains(wheels[name][0], prereleases=True):
-        os.remove(wheels.pop(name)[1])  # another requirement narrows it: fetch again
-        expanded = {e for e in expanded if e[0] != name}
-    if name not in wheels:
-        path = fetch(name, specs[name])
+while queue:  # breadth first, a level at a time: the level's new wheels in one pip call
+    level, queue, wanted = queue, [], {}
+    taken = []
+    for req, parent in level:
+        if req.marker is not None and not req.marker.evaluate(env):
+            continue
+        name = canonicalize_name(req.name)
+        if name in have:
+            if have[name] is not None and not req.specifier.contains(have[name], prereleases=True):
+                problems.append(f"{parent} needs {req}, and the target holds {name} {have[name]}")
+            elif have[name] is None and req.specifier:
+                unchecked.add(f"{parent.split()[0]} needs {name}{req.specifier}")
+            continue
+        specs[name] = SpecifierSet(",".join(filter(None, [str(specs.get(name, constraints.get(name, ""))),
+                                                          str(req.specifier)])))
+        if name in wheels and not specs[name].contains(wheels[name][0], prereleases=True):
+            os.remove(wheels.pop(name)[1])  # another requirement narrows it: fetch again
+            expanded = {e for e in expanded if e[0] != name}
+        if name not in wheels:
+            wanted[name] = specs[name]
+        taken.append((req, name))
+    for name, path in fetch_all(wanted).items():
         wheels[name] = (Version(metadata(path)["Version"]), path)
-    for extra in {"", *req.extras}:
-        if (name, extra) not in expanded:
-            expanded.add((name, extra))
-            queue += [(r, f"{name} {wheels[name][0]}") for r in requirements(wheels[name][1], {"", extra})]
+    for req, name in taken:
+        for extra in {"", *req.extras}:
+            if (name, extra) not in expanded:
+                expanded.add((name, extra))
+                queue += [(r, f"{name} {wheels[name][0]}") for r in requirements(wheels[name][1], {"", extra})]
 
 # Check the whole set once more from the roots, and drop what no longer follows from them.
 reachable, stack = set(), list(roots)
