@@ -1,20 +1,14 @@
 """The recipes users run (issue 46's table: SmoothQuant + GPTQ W8A8, FP8_DYNAMIC, NVFP4, AWQ + W4A16_ASYM, 2:4
 SparseGPT + FP8_DYNAMIC, W4A16) against llmcompressor 0.14 on the same tokens, on a tiny Llama, a tiny Qwen3-MoE and
-SmolLM2-135M's first 8 layers: the config's keys and quantization_config, layer 0's codes (SparseGPT's masks),
-perplexity, and the output loaded as a user loads it, generating.
+SmolLM2-135M: the config's keys and quantization_config, layer 0's codes (SparseGPT's masks), perplexity, and the
+output loaded as a user loads it, generating.
 
 The tiny Qwen3-MoE's attention is zeroed: the peer calibrates its layers with bidirectional attention
 (DESIGN.md, section 6), ours causally, as the model is. The peer and ours run on one thread, ours on one chunk (within
 a chunk, Hessians are summed as the peer sums them)."""
 
-import json
-import os
-import re
-import shutil
-
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from elastic_oneshot.models.default_model import default_model
 from elastic_oneshot.surface.evaluate import perplexity
@@ -37,27 +31,6 @@ from tests.recipe_cases import (
 )
 
 SAMPLES, SEQ = 16, 64
-SMOLLM2_LAYERS = 8  # of 30
-
-
-def smollm2_first_layers(path: str, layers: int = SMOLLM2_LAYERS) -> str:
-    """SmolLM2-135M's embeddings, first `layers` decoder layers and final norm, with its tokenizer: a real model's
-    weights and activations, which the recipes that calibrate on activations (SmoothQuant, AWQ) follow, layer by layer
-    as in the whole model, at a fraction of its cost (the peer's AWQ grid on all 30 layers was the suite's longest)."""
-    source = default_model()
-    shutil.copytree(source, path, ignore=shutil.ignore_patterns("model.safetensors", "config.json"))
-    with open(os.path.join(source, "config.json")) as f:
-        config = json.load(f)
-    config["num_hidden_layers"] = layers
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
-    def index(name: str) -> int:  # a decoder layer's, or -1
-        found = re.match(r"model\.layers\.(\d+)\.", name)
-        return int(found.group(1)) if found else -1
-
-    kept = {k: v for k, v in load_file(os.path.join(source, "model.safetensors")).items() if index(k) < layers}
-    save_file(kept, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +38,7 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
     return {"llama": lambda: make_model(str(root / "llama"), "llama", num_key_value_heads=4),  # v_proj feeds o_proj
             "qwen3_moe": lambda: make_moe(str(root / "moe"), intermediate=128, attention=False),
-            "smollm2": lambda: smollm2_first_layers(str(root / "smollm2"))}
+            "smollm2": default_model}
 
 
 @pytest.fixture(scope="module")
