@@ -72,6 +72,26 @@ def test_api_cli_and_recipes_make_identical_checkpoints(tiny_llama, tmp_path):
         assert tree_digest(tmp_path / name) == reference, name
 
 
+# The CLI's process, counting the cyclic collector's passes once torch and transformers are imported
+COUNTED = """
+import atexit, gc, sys
+passes = []
+gc.callbacks.append(lambda phase, _: phase == "start" and "transformers" in sys.modules and passes.append(1))
+atexit.register(lambda: print(f"collector passes after the imports: {len(passes)}", file=sys.stderr))
+from elastic_oneshot.surface.cli import entry
+entry()
+"""
+
+
+@pytest.mark.slow
+def test_the_cli_collects_again_after_its_imports(tiny_llama, tmp_path):
+    """entry() pauses the cyclic collector while torch and transformers import (cli._heavy_imports); the run itself
+    goes on with it collecting, as a worker running for hours must."""
+    proc = run_cli("run", "--model", tiny_llama, "--output", tmp_path / "out", *JOB, program=["-c", COUNTED])
+    passes = int(re.search(r"collector passes after the imports: (\d+)", proc.stderr).group(1))
+    assert passes > 10, proc.stderr[-2000:]
+
+
 def test_recipe_spellings_of_the_same_job():
     from llmcompressor.modifiers.gptq import GPTQModifier
 
