@@ -527,13 +527,15 @@ def table(faults: list[dict], events: list[dict]) -> str:
     return "\n".join(rows)
 
 
-def reference_run(model: str, job_args: list[str], world: int, workdir: str) -> str:
+def reference_run(model: str, job_args: list[str], workdir: str) -> str:
+    """The uninterrupted run the campaign's checkpoint must equal, byte for byte: one process, one thread (the bits
+    are the same at any world size), made once per workdir."""
     out = os.path.join(workdir, "reference")
     if not os.path.isfile(os.path.join(out, "config.json")):
         shutil.rmtree(out + ".state", ignore_errors=True)
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-                        "-m", "elastic_oneshot", "run", "--model", model, "--output", out, *map(str, job_args)],
-                       check=True, env=node_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        subprocess.run([sys.executable, "-m", "elastic_oneshot", "run", "--model", model, "--output", out,
+                        *map(str, job_args)], check=True, env=node_env(), stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL)
     return out
 
 
@@ -620,7 +622,7 @@ def main(argv=None) -> int:
         StateStore(a.state_url).clear()
     shutil.rmtree(os.path.join(a.workdir, "out"), ignore_errors=True)
     os.makedirs(a.workdir, exist_ok=True)
-    reference = reference_run(a.model, a.job, a.nodes, a.workdir)
+    reference = reference_run(a.model, a.job, a.workdir)
     with contextlib.ExitStack() as stack:
         try:
             network = stack.enter_context(Fabric()) if a.network else None

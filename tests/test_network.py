@@ -41,7 +41,7 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(model, tmp_path_factory):
-    return reference_run(model, JOB, 1, str(tmp_path_factory.mktemp("reference")))
+    return reference_run(model, JOB, str(tmp_path_factory.mktemp("reference")))
 
 
 def finished_intact(cluster: Cluster, reference: str) -> list[dict]:
