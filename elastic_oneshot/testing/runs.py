@@ -18,6 +18,8 @@ from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_in
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from elastic_oneshot.testing import zygote
+
 JOB = ["--num-samples", 32, "--seq-len", 128, "--group-size", 64, "--chunk-size", 4]  # a quick job on tiny Llama
 # The architecture sweep's job (tests/test_architectures.py): enough calibration tokens that GPTQ's Hessians describe
 # held-out text (at 8 x 32, a quarter of the types did no better than round-to-nearest on it)
@@ -27,9 +29,37 @@ SWEEP = dict(num_calibration_samples=32, max_seq_length=64, group_size=32, chunk
 CLI = ("-m", "elastic_oneshot")  # what the interpreter runs: the command line (or a script that patches it first)
 
 
-def run_cli(*args, check=True, program=CLI, **kwargs) -> subprocess.CompletedProcess:
-    """`elastic-oneshot ARGS` in a fresh interpreter."""
-    proc = subprocess.run([sys.executable, *program, *map(str, args)], capture_output=True, text=True, **kwargs)
+_ZYGOTES: dict[tuple, zygote.Zygote] = {}  # by environment, the most recently used last
+_MAX_ZYGOTES = 3
+
+
+def _zygote(env: dict) -> zygote.Zygote:
+    found = _ZYGOTES.pop(zygote.key(env), None) or zygote.Zygote(env)
+    _ZYGOTES[zygote.key(env)] = found
+    while len(_ZYGOTES) > _MAX_ZYGOTES:
+        _ZYGOTES.pop(next(iter(_ZYGOTES))).close()
+    return found
+
+
+@atexit.register
+def _close_zygotes():
+    while _ZYGOTES:
+        _ZYGOTES.popitem()[1].close()
+
+
+def run_cli(*args, check=True, program=CLI, env=None, timeout=None, **kwargs) -> subprocess.CompletedProcess:
+    """`elastic-oneshot ARGS` in a process of its own: forked from a zygote that has imported what it imports
+    (zygote.py), or a fresh interpreter where it runs a program of the test's or a second run at once."""
+    argv, env = [*map(str, args)], dict(os.environ if env is None else env)
+    server = _zygote(env) if program == CLI and not kwargs else None
+    if server is not None and server.lock.acquire(blocking=False):
+        try:
+            proc = server.run(argv, env, os.getcwd(), timeout)
+        finally:
+            server.lock.release()
+    else:
+        proc = subprocess.run([sys.executable, *program, *argv], capture_output=True, text=True, env=env,
+                              timeout=timeout, **kwargs)
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}\n{proc.stderr[-3000:]}")
     return proc
