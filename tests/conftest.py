@@ -1,6 +1,7 @@
 """Fixtures the test modules share; shared helpers live in elastic_oneshot/testing (runs.py, tiny.py, ...)."""
 
 import compileall
+import gc
 import os
 import signal
 
@@ -55,8 +56,26 @@ def pytest_configure(config):
             compileall.compile_dir(os.path.join(ROOT, package), quiet=1)
 
 
+# The modules that take longest, longest first. Under `-n 2 --dist loadfile` (with --no-loadscope-reorder in addopts,
+# since xdist would otherwise order modules by their number of tests) a worker takes the next module when it is free:
+# started first, these end before the short ones, and neither worker is left running a long module alone at the end.
+LONGEST_FIRST = ("test_network.py", "test_recipe_parity.py", "test_elastic.py", "test_object_store.py",
+                 "test_etcd_records.py", "test_recipe_resume.py", "test_distributed.py", "test_wheelhouse.py",
+                 "test_architectures.py", "test_gpu_session.py", "test_reach.py", "test_failures.py")
+
+
+def pytest_collection_finish(session):
+    """What collection imported (torch, transformers, llmcompressor, the test modules) frozen out of the cyclic
+    collector's later passes, which would otherwise traverse it all again in every in-process run of the peer."""
+    gc.collect()
+    gc.freeze()
+
+
 def pytest_collection_modifyitems(config, items):
-    """`cuda` tests run only where a CUDA device is (ELASTIC_ONESHOT_TEST_DEVICE=cpu runs them on the CPU)."""
+    """The longest modules first (LONGEST_FIRST), the others after them as collected. `cuda` tests run only where
+    a CUDA device is (ELASTIC_ONESHOT_TEST_DEVICE=cpu runs them on the CPU)."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each module's order is kept
     if torch.cuda.is_available() or os.environ.get("ELASTIC_ONESHOT_TEST_DEVICE"):
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
