@@ -13,6 +13,7 @@ from elastic_oneshot.durability.coordinator import open_records
 from elastic_oneshot.durability.protocol import CommitProtocol
 from elastic_oneshot.durability.state import StateStore
 from elastic_oneshot.testing.recipes import recipe_yaml
+from elastic_oneshot.testing.runs import CLI, start_cli
 
 # transformers 5.17 loads none of these formats for Qwen3-MoE's experts stored one by one (nor the peer's output: it
 # fails to convert them, or leaves the experts missing): our run refuses them before any work, so their parity is
@@ -23,21 +24,25 @@ WITHOUT_EARLY_GUARD = ("-c", "from elastic_oneshot.surface import api, cli; "
 
 
 def start_ours(model: str, out, name: str, samples: int, seq_len: int, moe: bool = False, group: int = 128,
-               chunk: int | None = None, program=("-m", "elastic_oneshot")) -> subprocess.Popen:
-    """Our CLI started in a fresh interpreter (one thread) on the recipe, its samples in one chunk by default: within
-    a chunk, Hessians are summed as the peer sums them. One thread each, so the peer's run can go on beside it."""
+               chunk: int | None = None, program=CLI):
+    """Our CLI started in a process of its own (one thread; runs.start_cli) on the recipe, its samples in one chunk by
+    default: within a chunk, Hessians are summed as the peer sums them. One thread each, so the peer's run can go on
+    beside it. Its stdout and stderr go to OUT.stdout and OUT.stderr."""
     recipe = f"{out}.yaml"
     with open(recipe, "w") as f:
         f.write(recipe_yaml(name, moe, group))
-    return subprocess.Popen([sys.executable, *program, "run", "--model", model, "--recipe", recipe,
-                             "--num-samples", str(samples), "--seq-len", str(seq_len), "--chunk-size",
-                             str(chunk or samples), "--output", str(out)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    with open(f"{out}.stdout", "w") as stdout, open(f"{out}.stderr", "w") as stderr:
+        proc = start_cli("run", "--model", model, "--recipe", recipe, "--num-samples", samples, "--seq-len", seq_len,
+                         "--chunk-size", chunk or samples, "--output", out, program=program, stdout=stdout,
+                         stderr=stderr, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc.logs = f"{out}.stdout", f"{out}.stderr"
+    return proc
 
 
-def finished(proc: subprocess.Popen) -> subprocess.CompletedProcess:
-    stdout, stderr = proc.communicate()
-    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+def finished(proc) -> subprocess.CompletedProcess:
+    code = proc.wait()
+    stdout, stderr = (open(path).read() for path in proc.logs)
+    return subprocess.CompletedProcess(proc.args, code, stdout, stderr)
 
 
 def run_ours(*args, check: bool = True, **kwargs) -> subprocess.CompletedProcess:

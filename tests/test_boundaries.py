@@ -5,7 +5,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -16,7 +15,7 @@ import torch
 from elastic_oneshot.durability.boundaries import DEFAULT_MTBF_S, Boundaries, auto_interval, mtbf_from, parse_every
 from elastic_oneshot.durability.state import StateStore
 from elastic_oneshot.errors import UsageError
-from elastic_oneshot.testing.runs import one_thread_env, run_cli, torchrun_cmd, tree_digest
+from elastic_oneshot.testing.runs import one_thread_env, run_cli, start_cli, torchrun_cmd, tree_digest
 from elastic_oneshot.testing.tiny import make_model
 
 
@@ -161,8 +160,7 @@ def test_killed_after_some_commits_replays_from_the_newest_durable_boundary(ever
     out, state = tmp_path / "out", tmp_path / "state"
     args = ["run", "--model", llama16, "--output", out, "--state", state, "--num-samples", 32, "--seq-len", 64,
             "--chunk-size", 4, "--group-size", 64, "--boundary-every", every, *(["--mtbf", 1e-6] * (every == "auto"))]
-    proc = subprocess.Popen([sys.executable, "-m", "elastic_oneshot", *map(str, args)], env=one_thread_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = start_cli(*args, env=one_thread_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     while not (state / "commits").is_dir() or len(_commits(state)) < 6 or (every == "auto" and not _durable(state)):
         assert proc.poll() is None, "finished before 6 commits" + " and a durable boundary" * (every == "auto")
         time.sleep(0.005)

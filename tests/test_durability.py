@@ -25,7 +25,7 @@ from elastic_oneshot.errors import CorruptStateError
 from elastic_oneshot.loop import read_ahead
 from elastic_oneshot.loop.inputs import LayerInputs
 from elastic_oneshot.loop.runner import COMMITS_BEHIND, Runner
-from elastic_oneshot.testing.runs import run_cli, tree_digest
+from elastic_oneshot.testing.runs import run_cli, start_cli, tree_digest
 from elastic_oneshot.testing.tiny import make_model, set_architecture
 
 JOB = dict(num_calibration_samples=48, max_seq_length=64, group_size=64, chunk_size=8)  # 6 chunks
@@ -86,12 +86,11 @@ def committed(state) -> int:
 def test_kill_9_at_random_moments_then_resume(deep_llama, reference, tmp_path):
     rng = random.Random(1234)
     out, state = tmp_path / "out", tmp_path / "state"
-    cmd = [sys.executable, "-m", "elastic_oneshot", "run", "--model", deep_llama, "--output", out,
-           "--state", state, *CLI_JOB, "--boundary-every", 3]
+    cmd = ["run", "--model", deep_llama, "--output", out, "--state", state, *CLI_JOB, "--boundary-every", 3]
     kills, progress = 0, []
     while kills < 4:
         log = open(tmp_path / f"run{kills}.log", "w")
-        proc = subprocess.Popen(list(map(str, cmd)), stderr=log, stdout=log)
+        proc = start_cli(*cmd, stderr=log, stdout=log)
         while committed(state) <= (progress[-1] if progress else 0) and proc.poll() is None:
             time.sleep(0.02)  # let it get past start-up and do some work
         time.sleep(rng.uniform(0, 0.2))  # about one layer's time at 48 x 64 tokens
@@ -346,7 +345,7 @@ def test_sigterm_commits_every_computed_layer_then_stops(deep_llama, reference, 
     out, state = tmp_path / "out", tmp_path / "state"
     cmd = ["run", "--model", deep_llama, "--output", out, "--state", state, *CLI_JOB]
     with open(tmp_path / "run.log", "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "elastic_oneshot", *map(str, cmd)], stderr=log, stdout=log)
+        proc = start_cli(*cmd, stderr=log, stdout=log)
         while committed(state) < 2:
             assert proc.poll() is None, (tmp_path / "run.log").read_text()[-3000:]
             time.sleep(0.01)

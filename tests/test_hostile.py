@@ -11,7 +11,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 
 import psutil
@@ -25,7 +24,7 @@ from elastic_oneshot.durability.destination import open_destination
 from elastic_oneshot.durability.state import read_events
 from elastic_oneshot.models.source import SourceModel
 from elastic_oneshot.surface import fleet
-from elastic_oneshot.testing.runs import one_thread_env, run_cli, torchrun_cmd, tree_digest, workers
+from elastic_oneshot.testing.runs import one_thread_env, run_cli, start_cli, torchrun_cmd, tree_digest, workers
 
 JOB = dict(num_calibration_samples=16, max_seq_length=64, group_size=64, chunk_size=4)
 CLI_JOB = ["--num-samples", 16, "--seq-len", 64, "--group-size", 64, "--chunk-size", 4]
@@ -155,9 +154,8 @@ def test_a_state_link_repointed_mid_run_changes_nothing_of_either_job(tiny_llama
     x_state.mkdir()
     link.symlink_to(x_state)
     log = open(tmp_path / "x.log", "w")
-    proc = subprocess.Popen([str(a) for a in [sys.executable, "-m", "elastic_oneshot", "run", "--model", tiny_llama,
-                                              "--output", x_out, "--state", link, *CLI_JOB]],
-                            stdout=log, stderr=log, env=one_thread_env())
+    proc = start_cli("run", "--model", tiny_llama, "--output", x_out, "--state", link, *CLI_JOB, stdout=log, stderr=log,
+                     env=one_thread_env())
     try:
         while not glob.glob(str(x_state / "commits/00001.*")) and proc.poll() is None:
             time.sleep(0.05)

@@ -22,7 +22,7 @@ from elastic_oneshot.durability.storage import ObjectStorage, is_transient, is_u
 from elastic_oneshot.errors import StaleEpochError, StorageError, UsageError
 from elastic_oneshot.loop.runner import COMMITS_BEHIND
 from elastic_oneshot.testing.netns import Namespace, NamespaceUnavailable
-from elastic_oneshot.testing.runs import run_cli, tree_digest
+from elastic_oneshot.testing.runs import run_cli, start_cli, tree_digest
 from elastic_oneshot.testing.s3_server import S3Server
 from elastic_oneshot.testing.tiny import make_model
 
@@ -113,12 +113,11 @@ def committed(url: str) -> int:
 @pytest.mark.s3
 def test_kill_9_at_random_moments_with_the_state_on_the_server(s3, llama4, reference, tmp_path):
     rng, url, out = random.Random(13), f"s3://{BUCKET}/killed", tmp_path / "out"
-    cmd = [sys.executable, "-m", "elastic_oneshot", "run", "--model", llama4, "--output", out, "--state", url,
-           *CLI_JOB, "--boundary-every", 2]
+    cmd = ["run", "--model", llama4, "--output", out, "--state", url, *CLI_JOB, "--boundary-every", 2]
     kills, progress = 0, []
     while kills < 3:
         with open(tmp_path / f"run{kills}.log", "w") as log:
-            proc = subprocess.Popen(list(map(str, cmd)), stderr=log, stdout=log)
+            proc = start_cli(*cmd, stderr=log, stdout=log)
         while committed(url) <= (progress[-1] if progress else 0) and proc.poll() is None:
             time.sleep(0.05)
         time.sleep(rng.uniform(0, 0.3))

@@ -8,7 +8,6 @@ import resource
 import shutil
 import struct
 import subprocess
-import sys
 import time
 
 import psutil
@@ -17,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from elastic_oneshot.errors import UsageError
 from elastic_oneshot.surface.preflight import check_layer_fits
-from elastic_oneshot.testing.runs import run_cli, tree_digest
+from elastic_oneshot.testing.runs import run_cli, start_cli, tree_digest
 
 JOB = ["--num-samples", 8, "--seq-len", 16, "--chunk-size", 4, "--group-size", 64]
 
@@ -202,8 +201,8 @@ def test_a_second_job_on_the_same_output_is_refused_before_work(tiny_llama, tmp_
     """Job A claims --output when it starts; job B (other settings, its own state) started while A runs is
     refused at its start, not after computing every layer."""
     out, first, second = tmp_path / "out", tmp_path / "a.state", tmp_path / "b.state"
-    a = subprocess.Popen([sys.executable, "-m", "elastic_oneshot", "run", "--model", tiny_llama, "--output", out,
-                          "--state", first, *map(str, JOB)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    a = start_cli("run", "--model", tiny_llama, "--output", out, "--state", first, *JOB, stdout=subprocess.DEVNULL,
+                  stderr=subprocess.DEVNULL)
     while not (first / "commits").is_dir():
         assert a.poll() is None, "job A ended before its first commit"
         time.sleep(0.01)

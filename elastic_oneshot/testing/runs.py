@@ -2,6 +2,7 @@
 tests and the chaos harness."""
 
 import atexit
+import contextlib
 import hashlib
 import json
 import os
@@ -36,8 +37,9 @@ _MAX_ZYGOTES = 3
 def _zygote(env: dict) -> zygote.Zygote:
     found = _ZYGOTES.pop(zygote.key(env), None) or zygote.Zygote(env)
     _ZYGOTES[zygote.key(env)] = found
-    while len(_ZYGOTES) > _MAX_ZYGOTES:
-        _ZYGOTES.pop(next(iter(_ZYGOTES))).close()
+    idle = [k for k, z in _ZYGOTES.items() if not z.lock.locked()]
+    for k in idle[:max(0, len(_ZYGOTES) - _MAX_ZYGOTES)]:  # the least recently used first
+        _ZYGOTES.pop(k).close()
     return found
 
 
@@ -47,19 +49,41 @@ def _close_zygotes():
         _ZYGOTES.popitem()[1].close()
 
 
-def run_cli(*args, check=True, program=CLI, env=None, timeout=None, **kwargs) -> subprocess.CompletedProcess:
-    """`elastic-oneshot ARGS` in a process of its own: forked from a zygote that has imported what it imports
-    (zygote.py), or a fresh interpreter where it runs a program of the test's or a second run at once."""
+def start_cli(*args, program=CLI, env=None, stdout=None, stderr=None, **popen) -> subprocess.Popen | zygote.Child:
+    """`elastic-oneshot ARGS` started in a process of its own, its output to the files (or DEVNULL) given: forked from
+    a zygote that has imported what it imports (zygote.py), or a fresh interpreter where it runs a program of the
+    test's, needs more of subprocess.Popen (`popen`: preexec_fn, say), or another run of the same zygote has not
+    ended."""
     argv, env = [*map(str, args)], dict(os.environ if env is None else env)
-    server = _zygote(env) if program == CLI and not kwargs else None
-    if server is not None and server.lock.acquire(blocking=False):
+    server = _zygote(env) if program == CLI and not popen else None
+    if server is None or not server.lock.acquire(blocking=False):
+        return subprocess.Popen([sys.executable, *program, *argv], env=env, stdout=stdout, stderr=stderr, **popen)
+    with contextlib.ExitStack() as files:
+        def fd(given, default: int) -> int:
+            if given is None:
+                return default
+            if given == subprocess.DEVNULL:
+                return files.enter_context(open(os.devnull, "r+b")).fileno()
+            return given.fileno()
         try:
-            proc = server.run(argv, env, os.getcwd(), timeout)
-        finally:
+            return server.start(argv, env, os.getcwd(), [fd(None, 0), fd(stdout, 1), fd(stderr, 2)])
+        except BaseException:
             server.lock.release()
-    else:
-        proc = subprocess.run([sys.executable, *program, *argv], capture_output=True, text=True, env=env,
-                              timeout=timeout, **kwargs)
+            raise
+
+
+def run_cli(*args, check=True, program=CLI, env=None, timeout=None, **popen) -> subprocess.CompletedProcess:
+    """`elastic-oneshot ARGS` run to its end (start_cli), its output captured."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = start_cli(*args, program=program, env=env, stdout=out, stderr=err, **popen)
+        try:
+            code = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise
+        out.seek(0), err.seek(0)
+        proc = subprocess.CompletedProcess(proc.args, code, out.read(), err.read())
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}\n{proc.stderr[-3000:]}")
     return proc
