@@ -8,11 +8,13 @@ import sys
 import time
 
 import psutil
+import pytest
 
 from elastic_oneshot.testing import runs, zygote
 from elastic_oneshot.testing.runs import JOB, one_thread_env, run_cli, start_cli, tree_digest
 
 
+@pytest.mark.slow
 def test_a_forked_run_is_a_fresh_interpreters(tiny_llama, tmp_path, monkeypatch):
     run_cli("run", "--model", tiny_llama, "--output", tmp_path / "first", *JOB, env=one_thread_env())  # a zygote
     monkeypatch.chdir(tmp_path)  # after the zygote started: relative paths resolve in the caller's directory
