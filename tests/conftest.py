@@ -50,15 +50,18 @@ def tiny_llama(tmp_path_factory):
 
 def pytest_configure(config):
     """This checkout's modules compiled once for the hundreds of processes the suite starts (where
-    PYTHONDONTWRITEBYTECODE is set, as on this project's machines, each would compile them again)."""
+    PYTHONDONTWRITEBYTECODE is set, as on this project's machines, each would compile them again); the modules handed
+    out in LONGEST_FIRST's order."""
+    if hasattr(config.option, "loadscopereorder"):  # xdist's --no-loadscope-reorder, where this xdist has it
+        config.option.loadscopereorder = False
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         for package in ("elastic_oneshot", "launch"):
             compileall.compile_dir(os.path.join(ROOT, package), quiet=1)
 
 
-# The modules that take longest, longest first. Under `-n 2 --dist loadfile` (with --no-loadscope-reorder in addopts,
-# since xdist would otherwise order modules by their number of tests) a worker takes the next module when it is free:
-# started first, these end before the short ones, and neither worker is left running a long module alone at the end.
+# The modules that take longest, longest first. Under `-n 2 --dist loadfile` a worker takes the next module when it is
+# free: started first, these end before the short ones, and neither worker is left running a long module alone at the
+# end. (pytest-xdist >= 3.6 would order modules by their number of tests instead: pytest_configure turns that off.)
 LONGEST_FIRST = ("test_network.py", "test_recipe_parity.py", "test_elastic.py", "test_object_store.py",
                  "test_etcd_records.py", "test_recipe_resume.py", "test_distributed.py", "test_wheelhouse.py",
                  "test_architectures.py", "test_gpu_session.py", "test_reach.py", "test_failures.py")
