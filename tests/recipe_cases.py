@@ -35,19 +35,19 @@ def start_ours(model: str, out, name: str, samples: int, seq_len: int, moe: bool
         proc = start_cli("run", "--model", model, "--recipe", recipe, "--num-samples", samples, "--seq-len", seq_len,
                          "--chunk-size", chunk or samples, "--output", out, program=program, stdout=stdout,
                          stderr=stderr, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    proc.logs = f"{out}.stdout", f"{out}.stderr"
     return proc
 
 
-def finished(proc) -> subprocess.CompletedProcess:
+def finished(proc, out) -> subprocess.CompletedProcess:
+    """start_ours(..., out, ...) waited for, with what it printed."""
     code = proc.wait()
-    stdout, stderr = (open(path).read() for path in proc.logs)
+    stdout, stderr = (open(f"{out}.{stream}").read() for stream in ("stdout", "stderr"))
     return subprocess.CompletedProcess(proc.args, code, stdout, stderr)
 
 
-def run_ours(*args, check: bool = True, **kwargs) -> subprocess.CompletedProcess:
+def run_ours(model: str, out, *args, check: bool = True, **kwargs) -> subprocess.CompletedProcess:
     """start_ours, waited for; `check`: a failure raises."""
-    proc = finished(start_ours(*args, **kwargs))
+    proc = finished(start_ours(model, out, *args, **kwargs), out)
     if check and proc.returncode:
         raise AssertionError(f"exit {proc.returncode}\n{proc.stderr[-3000:]}")
     return proc

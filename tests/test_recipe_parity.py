@@ -62,7 +62,7 @@ def pair(models, tmp_path_factory):
                                   moe=moe)
             finally:
                 torch.set_num_threads(before)
-                proc = finished(ours)
+                proc = finished(ours, root / "ours")
             made[model, name] = proc, root / "ours", peer
         return made[model, name]
     return make

@@ -8,7 +8,6 @@ they import) and one run at a time; runs.start_cli starts a plain interpreter fo
 Protocol, on a SOCK_SEQPACKET pair: the client sends a request (JSON, and the child's three descriptors); the zygote
 answers {"pid"} once it forked and {"status"} once the child ended. It exits when the client's end closes."""
 
-import gc
 import json
 import os
 import select
@@ -86,10 +85,11 @@ class Child:
 
 def serve(sock: socket.socket) -> tuple[dict, list[int]]:
     """The zygote's loop; returns a request and its descriptors in each child it forks."""
-    gc.disable()
-    from elastic_oneshot.surface import api, cli  # noqa: F401  (what a run imports before its first step)
-    gc.freeze()
-    gc.enable()
+    from elastic_oneshot.surface import cli
+
+    cli._OWN_PROCESS = True  # as cli.entry makes it: the collector paused over the imports, then what they made frozen
+    with cli._heavy_imports():
+        from elastic_oneshot.surface import api  # noqa: F401  (what a run imports before its first step)
     while True:
         data, fds, _, _ = socket.recv_fds(sock, MESSAGE, 3)
         if not data:
