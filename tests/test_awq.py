@@ -2,6 +2,8 @@
 real Llama: the same mappings, and layer after layer, from the same inputs, the same grid search and the same
 folded weights bit for bit; the choice the same for any split of the samples across ranks and any thread count."""
 
+import threading
+
 import pytest
 import torch
 
@@ -27,8 +29,8 @@ def recipe(scheme: str, duo_scaling) -> Recipe:
 def layer_step(model, ids, mappings: list[awq.Mapping], schemes: dict, stage: AWQ, ranks: int = 1):
     """AWQ on one layer, as the layer step will run it over `ranks` ranks: one calibration pass records each
     mapping's hooked inputs and its parent's calls; then, mapping after mapping, each rank's samples' statistics go
-    into per-sample slots, are reduced (a sum where only one rank's slot is nonzero), and every rank chooses and
-    folds the same scales."""
+    into per-sample slots, are reduced (a sum where only one rank's slot is nonzero), and every rank chooses (the
+    search in rounds, on every sample's errors computed beforehand) and folds the same scales."""
     modules = dict(model.named_modules())
     fused = family_for(model.config).fused_scales
     seen = record(model, ids, sorted({m.hook for m in mappings}), sorted({m.parent for m in mappings}))
@@ -50,11 +52,12 @@ def layer_step(model, ids, mappings: list[awq.Mapping], schemes: dict, stage: AW
             reference = awq.outputs(modules[m.parent], mine)
             assert awq.usable(reference)
             elements += sum(r.numel() for r in reference)
-            slots = torch.zeros(len(points), len(ids))
-            slots[:, part] = awq.grid_errors(modules[m.parent], mine, quantized, points, x_mean, w_mean, args, fused,
-                                             reference)
-            errors += slots  # the all-reduce
-        s = awq.scales(x_mean, w_mean, *points[awq.best(errors, elements)])
+            with awq.Candidates(quantized, points, x_mean, w_mean, args, fused) as held:
+                for point in range(len(points)):
+                    held.hold(point)
+                    errors[point, part] = awq.sample_errors(reference, awq.outputs(modules[m.parent], mine))
+        chosen, _ = search_on(errors, ranks, 4, 0, elements)
+        s = awq.scales(x_mean, w_mean, *points[chosen[0]])
         smooth = modules[m.smooth]
         new, balance, bias = smoothing.fold(s, smooth.weight, [modules[b].weight for b in m.balance],
                                             getattr(smooth, "bias", None))
@@ -161,3 +164,67 @@ def test_a_samples_statistics_do_not_depend_on_the_threads():
     finally:
         torch.set_num_threads(before)
     assert torch.equal(seen[0][0], seen[1][0]) and torch.equal(seen[0][1], seen[1][1])
+
+
+def search_on(errors: torch.Tensor, ranks: int, rounds: int, first: int, elements: int = 1000
+              ) -> tuple[list[int], int]:
+    """awq.search on `ranks` threads, each holding a contiguous share of the samples, a barrier summing their rows
+    in rank order (the all-reduce): every rank's choice, and how many (point, sample) errors were computed."""
+    points, samples = errors.shape
+    parts = torch.tensor_split(torch.arange(samples), ranks)
+    barrier, pending, chosen, computed = threading.Barrier(ranks, timeout=60), [None] * ranks, [None] * ranks, []
+
+    def rank(r: int):
+        def reduce(t: torch.Tensor):
+            pending[r] = t.clone()
+            barrier.wait()
+            total = sum(pending)
+            barrier.wait()
+            t.copy_(total)
+
+        def of(point: int, calls: list[int]) -> torch.Tensor:
+            computed.append(len(calls))
+            return errors[point, parts[r][calls]]
+
+        try:
+            chosen[r] = awq.search(of, parts[r].tolist(), points, rounds, samples, elements, reduce, first=first)
+        except ValueError as e:  # every rank's, after the same reduces
+            chosen[r] = e
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return chosen, sum(computed)
+
+
+def test_the_search_chooses_as_best_does_on_fewer_forwards():
+    """A U-shaped loss over the grid, its least at another point for the first third of the samples, samples of
+    unequal weight (some zero: a bound equal to the least loss before the last round), a tie for the least loss, NaN
+    and inf rows: at any ranks, rounds and first point, every rank chooses what `best` chooses from every error;
+    with rounds, fewer errors are computed."""
+    g = torch.Generator().manual_seed(0)
+    points, samples = 20, 24
+    weight = torch.rand(samples, generator=g) * 2
+    weight[[3, 10, 17, 23]] = 0
+    centre = torch.where(torch.arange(samples) < 8, 3.0, 11.0)  # each rank's own samples would choose another point
+    curve = 1 + (torch.arange(points)[:, None] - centre[None]) ** 2 / 40
+    base = curve * weight[None] * (1 + 0.05 * torch.rand(points, samples, generator=g))
+    tie = base.clone()
+    tie[12] = tie[5] = tie[5] * 0.5
+    odd = base.clone()
+    odd[2, 4], odd[9] = float("nan"), float("inf")
+    for errors in (base, tie, odd):
+        want = awq.best(errors, 1000)
+        for ranks in (1, 2, 3):
+            for rounds in (1, 3, 8):
+                for first in (0, 7, 12, 19):
+                    chosen, computed = search_on(errors, ranks, rounds, first)
+                    assert chosen == [want] * ranks, (ranks, rounds, first)
+                    assert computed < points * samples if rounds > 1 else computed == points * samples
+    assert (awq.best(tie, 1000), awq.best(odd, 1000)) == (5, awq.best(base, 1000))
+    with pytest.raises(ValueError, match="finite loss"):
+        awq.best(torch.full((points, samples), float("nan")), 1000)
+    chosen, _ = search_on(torch.full((points, samples), float("nan")), 2, 3, 0)
+    assert all(isinstance(c, ValueError) for c in chosen)

@@ -78,6 +78,7 @@ class LayerStep:
         self.source, self.schemes, self.recipe, self.world, self.device = source, schemes, recipe, world, device
         self.seq_len, self.num_samples, self.all_experts, self.chunks = seq_len, num_samples, all_experts, chunks
         self.quantized = source.by_layer(list(schemes))  # per layer, the quantized modules' names local to it
+        self._awq_first = None  # the grid point AWQ's last search chose: where the next one starts
         self.passes = passes or [Pass(0, GPTQ, None, last=True, touched=[[] for _ in range(source.num_layers)])]
         self.stage = self.passes[index]
         self.kind = self.stage.kind
@@ -282,12 +283,14 @@ class LayerStep:
 
     def _search(self, layer: int, module, m, record: dict) -> tuple[torch.Tensor, int | None]:
         """AWQ's scales of mapping `m` (empty where it is skipped) and the grid point chosen: every rank's samples'
-        statistics reduced in per-sample slots (exact), the grid's errors on this rank's samples."""
+        statistics reduced in per-sample slots (exact), the grid's errors on this rank's samples, the search
+        starting from the point the last search chose (rank 0's: every rank must run the same points)."""
         stage, world, prefix = self.stage.stage, self.world, self.prefix(layer)
         parent, calls = module.get_submodule(m.parent), record["calls"][m.parent]
         reference = awq.outputs(parent, calls)
-        ok, tokens, elements = zip(*world.gather_objects(
-            (awq.usable(reference), record["tokens"][m.smooth], sum(r.numel() for r in reference))))
+        ok, tokens, elements, counts, first = zip(*world.gather_objects(
+            (awq.usable(reference), record["tokens"][m.smooth], sum(r.numel() for r in reference), len(calls),
+             self._awq_first)))
         if not all(ok) or not sum(elements):
             return torch.zeros(0), None
         sums = record["sums"][m.smooth]
@@ -298,13 +301,16 @@ class LayerStep:
         w_mean = awq.weight_mean([q.weight for q in quantized.values()], list(args.values())) \
             if stage.duo_scaling else None
         points = awq.grid(stage.n_grid, stage.duo_scaling)
-        slots = torch.zeros(len(points), self.num_samples, device=self.device)
-        if calls:  # a sample's slot: the errors of its calls (one, but for an expert of routed calibration: or none)
-            at = torch.tensor(record["samples"][m.parent], device=self.device)
-            slots.index_add_(1, at, awq.grid_errors(parent, calls, quantized, points, x_mean, w_mean, args,
-                                                    self.source.family.fused_scales, reference))
-        _wait(world.all_reduce(slots))
-        point = awq.best(slots, sum(elements))
+        with awq.Candidates(quantized, points, x_mean, w_mean, args, self.source.family.fused_scales) as held:
+            def errors(point: int, at: list[int]) -> torch.Tensor:
+                held.hold(point)
+                return awq.sample_errors([reference[i] for i in at], awq.outputs(parent, [calls[i] for i in at]))
+
+            point = awq.search(errors, record["samples"][m.parent], len(points),
+                               awq.rounds(max(counts), sum(elements) // world.size), self.num_samples,
+                               sum(elements), lambda t: _wait(world.all_reduce(t)), self.device,
+                               (len(points) // 3 if first[0] is None else first[0]) % len(points))
+        self._awq_first = point
         return awq.scales(x_mean, w_mean, *points[point]), point
 
     def _sparsegpt(self, layer, module, groups, tensors, chunks, kwargs, seconds, persist) -> dict:

@@ -13,14 +13,18 @@ Exact at any world size: both statistics are kept per calibration sample (a samp
 sample's summed squared error per grid point) in slots indexed by the sample's global number. A rank fills its
 samples' slots and leaves zeros elsewhere, so an all-reduce by sum adds only zeros to each slot; every rank then
 sums the slots in sample order, as the peer sums its batches of one sample, and chooses the same scale, the peer's.
-The work splits data-parallel: each rank runs every grid point on its own samples (the parent's forwards are the
-cost: grid points x samples), one all-reduce of [grid points, samples] floats per mapping. A sample's loss is
-summed on one thread, so its bits do not depend on the thread count.
+The work splits data-parallel: each rank runs the grid points on its own samples (the parent's forwards are the
+cost: grid points x samples). `search` runs most points on only part of the samples: a point whose partial loss
+already exceeds a whole point's loss cannot win, which the peer's choice is unchanged by, so it stops there (one
+all-reduce per round of a point, instead of one per mapping). A sample's loss is summed on one thread, so its bits
+do not depend on the thread count.
 """
 
 import dataclasses
 import math
+from collections.abc import Callable
 
+import numpy as np
 import torch
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme, QuantizationStrategy
 from compressed_tensors.utils import get_lowest_common_ancestor_name, match_modules_set
@@ -30,6 +34,8 @@ from elastic_oneshot.quantization import rtn
 from elastic_oneshot.quantization.cholesky import one_thread
 
 FLOOR = 1e-4  # the least scale, and the damping of the weights' mean, with duo scaling
+ROUNDS = 16  # the most rounds a grid point's errors are computed in (search)
+ROUND_ELEMENTS = 4096  # the fewest output elements per rank a round computes: less is not worth a reduce and a sync
 
 @dataclasses.dataclass(frozen=True)
 class Mapping:
@@ -202,37 +208,108 @@ def sample_errors(reference: list[torch.Tensor], got: list[torch.Tensor]) -> tor
                         for r, g in zip(reference, got)]) if reference else torch.zeros(0)
 
 
-@torch.no_grad()
-def grid_errors(parent: torch.nn.Module, calls: list[dict], balance: dict[str, torch.nn.Module], points: list,
-                x_mean: torch.Tensor, w_mean: torch.Tensor | None, args: dict[str, QuantizationArgs],
-                fused_scales: tuple[tuple[str, ...], ...], reference: list[torch.Tensor]) -> torch.Tensor:
-    """[grid points, samples]: this rank's samples' errors at every grid point, the quantized balance layers
-    (`balance`, by name within the layer; their weights as the earlier mappings left them) holding each point's
-    candidate in turn, and their weights put back."""
-    originals = {name: m.weight.data for name, m in balance.items()}
-    errors = []
-    try:
-        for ratio, duo in points:
-            for name, w in candidate(originals, scales(x_mean, w_mean, ratio, duo), args, fused_scales).items():
-                balance[name].weight.data = w
-            errors.append(sample_errors(reference, outputs(parent, calls)))
-    finally:
-        for name, w in originals.items():
-            balance[name].weight.data = w
-    return torch.stack(errors)
+class Candidates:
+    """The quantized balance layers (`balance`, by name within the layer; their weights as the earlier mappings left
+    them) holding one grid point's candidate at a time, each computed when its point is first held; their own
+    weights put back on exit."""
+
+    def __init__(self, balance: dict[str, torch.nn.Module], points: list, x_mean: torch.Tensor,
+                 w_mean: torch.Tensor | None, args: dict[str, QuantizationArgs],
+                 fused_scales: tuple[tuple[str, ...], ...]):
+        self.balance, self.points, self.x_mean, self.w_mean = balance, points, x_mean, w_mean
+        self.args, self.fused_scales = args, fused_scales
+        self.originals = {name: m.weight.data for name, m in balance.items()}
+        self.held = None
+
+    def hold(self, point: int):
+        if point != self.held:
+            s = scales(self.x_mean, self.w_mean, *self.points[point])
+            for name, w in candidate(self.originals, s, self.args, self.fused_scales).items():
+                self.balance[name].weight.data = w
+            self.held = point
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for name, w in self.originals.items():
+            self.balance[name].weight.data = w
+
+
+def loss(row: torch.Tensor, elements: int) -> float:
+    """A grid point's loss from its per-sample errors: summed in sample order in fp32 (numpy's accumulate adds one
+    after another, as a loop would), divided by the number of output elements. A row still holding zeros for
+    samples not yet computed gives a lower bound of the whole row's loss: the errors are not negative, and adding
+    one that is not negative never lowers a rounded sum."""
+    errors = row.detach().to("cpu", torch.float32).numpy()
+    total = np.add.accumulate(errors)[-1] if len(errors) else np.float32(0)
+    return float(total / np.float32(elements))
 
 
 def best(errors: torch.Tensor, elements: int) -> int:
-    """The grid point of least mean squared error: `errors` [grid points, samples], every sample's slot, summed in
-    sample order in fp32 and divided by the number of output elements; the first of equal ones."""
+    """The grid point of least loss: `errors` [grid points, samples], every sample's slot; the first of equal
+    ones."""
     choice, least = None, math.inf
     for point, row in enumerate(errors):
-        total = torch.zeros((), dtype=torch.float32, device=row.device)
-        for e in row:
-            total += e
-        loss = (total / torch.tensor(elements)).item()
-        if loss < least:
-            choice, least = point, loss
+        value = loss(row, elements)
+        if value < least:
+            choice, least = point, value
     if choice is None:
-        raise ValueError("no grid point of AWQ gave a finite loss: the layer's outputs hold NaN")
+        raise ValueError(NO_FINITE_LOSS)
     return choice
+
+
+def search(errors: Callable[[int, list[int]], torch.Tensor], samples: list[int], points: int, rounds: int,
+           num_samples: int, elements: int, reduce: Callable[[torch.Tensor], None], device=None, first: int = 0
+           ) -> int:
+    """`best`'s choice over every rank's samples, most grid points computed on only part of them.
+
+    `errors(point, calls)`: this rank's errors of those of its calls (indices; `samples`: each call's sample number)
+    at that point; `reduce` sums a tensor over the ranks in place. Point `first` is computed whole. Every other point
+    goes round by round, each round a share of every rank's calls, largest errors at `first` first, and is dropped as
+    soon as its partial loss, a lower bound of its loss, can no longer win: above the least loss of a whole point,
+    or equal to it and later in the grid. A dropped point is one `best` would not choose, so the choice is `best`'s
+    at any split of the samples into ranks and rounds; every rank sees the same reduced rows, so all drop the same
+    points. One round: every point whole, one reduce."""
+    at = torch.tensor(samples, dtype=torch.long, device=device)
+    order = list(range(len(samples)))
+
+    def slots(point: int, calls: list[int]) -> torch.Tensor:
+        row = torch.zeros(num_samples, device=device)
+        return row.index_add_(0, at[calls], errors(point, calls)) if calls else row
+
+    if rounds == 1:
+        rows = torch.stack([slots(point, order) for point in range(points)])
+        reduce(rows)
+        return best(rows, elements)
+    least, choice = math.inf, None
+    for point in [first, *(p for p in range(points) if p != first)]:
+        row = torch.zeros(num_samples)
+        for step in range(rounds):
+            if step and _beaten(loss(row, elements), point, least, choice):
+                break
+            part = slots(point, order[step * len(order) // rounds:(step + 1) * len(order) // rounds])
+            reduce(part)
+            row += part.cpu()
+        else:
+            value = loss(row, elements)
+            if value < least or value == least and choice is not None and point < choice:
+                choice, least = point, value
+        if point == first:
+            weight = row.tolist()
+            order.sort(key=lambda call: -weight[samples[call]])
+    if choice is None:
+        raise ValueError(NO_FINITE_LOSS)
+    return choice
+
+
+def rounds(calls: int, elements: int) -> int:
+    """How many rounds `search` takes, from the most calls a rank holds and a rank's output elements."""
+    return max(1, min(ROUNDS, calls, elements // ROUND_ELEMENTS))
+
+
+def _beaten(bound: float, point: int, least: float, choice: int | None) -> bool:
+    return bound > least or bound == least and choice is not None and point > choice
+
+
+NO_FINITE_LOSS = "no grid point of AWQ gave a finite loss: the layer's outputs hold NaN"
