@@ -63,18 +63,22 @@ def measure(side: str, args: list[str], log: str, report: str, env: dict) -> dic
                                 stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
         _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - t
+    until = os.path.getsize(log)
     if os.waitstatus_to_exitcode(status) != 0 or not os.path.exists(report):
         sys.exit(f"{side} failed (exit {os.waitstatus_to_exitcode(status)}); the end of {log}:\n"
                  + tail(log, 30, since))
     with open(report) as f:
-        return {**json.load(f), "wall": wall, "rss_bytes": usage.ru_maxrss * 1024, "log": log, "log_from": since}
+        return {**json.load(f), "wall": wall, "rss_bytes": usage.ru_maxrss * 1024, "log": log, "log_from": since,
+                "log_to": until}
 
 
-def tail(log: str, lines: int = 3, since: int = 0) -> str:
-    """The last `lines` lines of `log` written from offset `since` on."""
-    with open(log, errors="replace") as f:
+def tail(log: str, lines: int = 3, since: int = 0, until: int | None = None) -> str:
+    """The last `lines` lines of `log` written between offsets `since` and `until` (one side's part of a log that
+    both sides append to)."""
+    with open(log, "rb") as f:
         f.seek(since)
-        last = [line.rstrip()[-160:] for line in f.read().replace("\r", "\n").splitlines() if line.strip()]
+        text = f.read(-1 if until is None else until - since).decode(errors="replace")
+    last = [line.rstrip()[-160:] for line in text.replace("\r", "\n").splitlines() if line.strip()]
     return "\n".join(f"    | {line}" for line in last[-lines:])
 
 
@@ -152,9 +156,10 @@ def table(name: str, ours: dict, theirs: dict | None, out: str, peer_out: str, s
             print(f"{side} blocks live at the peak ({facts['peak_sites'][0][1] / 2**30:.3f} GB), by where allocated:")
             for site, size in facts["peak_sites"][1:]:
                 print(f"  {size / 2**30:9.3f} GB  {site}")
-    print(f"last lines of ours ({ours['log']}):\n{tail(ours['log'], since=ours['log_from'])}")
-    if theirs:
-        print(f"last lines of the peer's ({theirs['log']}):\n{tail(theirs['log'], since=theirs['log_from'])}")
+    for side, facts in (("ours", ours), ("the peer's", theirs)):
+        if facts:
+            print(f"last lines of {side} ({facts['log']}):\n"
+                  f"{tail(facts['log'], since=facts['log_from'], until=facts['log_to'])}")
     sys.stdout.flush()
     return same
 
