@@ -84,3 +84,54 @@ def test_fake_quantize_is_what_the_compressor_stores():
             assert not math.isclose(q["mlp.gate_proj"].global_scale.item(),
                                     rtn.qparams({"x": weights["mlp.gate_proj"] * 4}, {"x": scheme.weights}, ())[
                                         "x"].global_scale.item())
+
+
+def _special(rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+    """Random weights with the values that rounding treats apart: signed zeros, subnormals, ties, values past the
+    code range, infinities and NaN."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(rows, cols, generator=g) * torch.logspace(-6, 2, rows).unsqueeze(1)
+    w.view(-1)[:10] = torch.tensor([0.0, -0.0, 1e-40, -1e-40, 0.5, -2.5, 3e38, -3e38, math.inf, math.nan])
+    return w.to(dtype)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty(t.numel(), dtype=t.dtype).copy_(t.flatten()).view(torch.uint8)  # (any strides)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_host_path_gives_the_compressors_bits(dtype, monkeypatch):
+    """packing._compress (the naive compressors' codes, slice by slice of rows, FP8 cast straight) against
+    compressed-tensors' own compress, bit for bit (bfloat16's round trip through the weight dtype drops NaN's
+    sign), with every FP8 code among the weights. Rows that the slices do not divide; per-channel and per-tensor
+    scales; symmetric and asymmetric."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme, preset_name_to_scheme
+
+    from elastic_oneshot.quantization import packing
+    from elastic_oneshot.quantization.gptq import QParams
+    from elastic_oneshot.quantization.schemes import compressor
+
+    monkeypatch.setattr(packing, "ROWS_ELEMENTS", 3 * 64)  # slices of 3 rows of 64 columns
+    asym = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(num_bits=8, type="int", strategy="channel",
+                                                                            symmetric=False))
+    schemes = [preset_name_to_scheme(p, ["Linear"]) for p in ("FP8_DYNAMIC", "FP8", "W8A8")] + [asym]
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
+    for scheme in schemes:
+        for weight in (_special(40, 64, dtype), codes.reshape(4, 64).to(dtype)):
+            if weight.isnan().any() and scheme.weights.type == "int":
+                weight = weight.nan_to_num()  # (NaN to an integer type is undefined)
+            q = QParams(*rtn.qparams({"m": weight.nan_to_num()}, {"m": scheme.weights}, ())["m"][:2])
+            if weight.shape[0] == 4:  # each code against a scale of one
+                q = QParams(torch.ones_like(q.scale), torch.zeros_like(q.zero_point))
+            ours = packing.compress_module(weight, q, {}, scheme)
+            state = {"weight": weight, "weight_scale": q.scale.to(dtype),
+                     "weight_zero_point": q.zero_point.to(scheme.weights.zp_dtype)}
+            theirs = compressor(scheme).compress(state, scheme)
+            assert ours.keys() == theirs.keys()
+            for key in ours:
+                a, b = ours[key], theirs[key]
+                assert a.dtype == b.dtype and a.shape == b.shape, key
+                assert torch.equal(_bits(a), _bits(b)), (scheme.weights.type, scheme.weights.strategy, key)
+            if weight.shape[0] == 4 and scheme.weights.type == "float":  # every code as itself, but the sign of
+                every = torch.arange(256, dtype=torch.uint8)  # zero (the zero point's addition) and of NaN
+                assert ((ours["weight"].view(torch.uint8).flatten() == every) | (every == 0x80) | (every == 0xFF)).all()

@@ -6,9 +6,12 @@ import functools
 import types
 
 import torch
+from compressed_tensors.compressors.naive_quantized.base import NaiveQuantizationCompressor
 from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
-from compressed_tensors.quantization import QuantizationScheme
+from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme, QuantizationStrategy
 from compressed_tensors.quantization.lifecycle.forward import dequantize
+from compressed_tensors.quantization.quant_args import round_to_quantized_type_args
+from compressed_tensors.quantization.utils import calculate_range
 
 from elastic_oneshot.quantization.gptq import QParams, module_qparams
 from elastic_oneshot.quantization.schemes import FP4_SCALES, compressor, group_size, input_qparams, module_format
@@ -22,7 +25,61 @@ def compress_module(weight: torch.Tensor, q: QParams, inputs: dict, scheme: Quan
              "weight_zero_point": q.zero_point.to(scheme.weights.zp_dtype), **inputs}
     if q.global_scale is not None:
         state["weight_global_scale"] = q.global_scale.to(torch.float32)
-    return compressor(scheme).compress(state, scheme)
+    return _compress(compressor(scheme), state, scheme)
+
+
+ROWS_ELEMENTS = 2**20  # a slice of rows whose temporaries stay in cache
+
+
+def _compress(comp, state: dict, scheme: QuantizationScheme) -> dict:
+    """`comp.compress(state, scheme)`; on the host, a naive compressor's (int-quantized, float-quantized: each code
+    from its own element and per-row or whole-tensor qparams, which it passes through) by `_codes` instead, in
+    slices of rows: the same tensors, without its full-size temporaries and its cast of FP8 codes to the weight's
+    dtype and back, which cost more than the rest."""
+    weight, args = state["weight"], scheme.weights
+    if weight.device.type != "cpu" or weight.shape[0] < 2 or not issubclass(comp, NaiveQuantizationCompressor) or \
+            args.strategy not in (QuantizationStrategy.TENSOR, QuantizationStrategy.CHANNEL):
+        return comp.compress(state, scheme)
+    rows = weight.shape[0]
+    per_row = {k for k, v in state.items() if v.ndim == weight.ndim and v.shape[0] == rows}
+    out = comp.compress({k: v[:1] if k in per_row else v for k, v in state.items()}, scheme)  # names, the rest
+    out.update({k: state[k] for k in per_row & out.keys()})
+    out["weight"] = _codes(weight, state["weight_scale"], state.get("weight_zero_point"), args, per_row)
+    return out
+
+
+def _codes(weight: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, args: QuantizationArgs,
+           per_row: set[str]) -> torch.Tensor:
+    """compressed-tensors' quantize of `weight` (tensor or channel strategy) as a naive compressor calls it, slice
+    by slice of rows (`per_row`: which of weight_scale and weight_zero_point have a row per weight row), with its
+    FP8 codes cast straight to the code dtype rather than through the weight's dtype and back: every FP8 value is
+    one of any wider float's, and the codes that the round trip changes (bfloat16's: the sign of NaN) are changed
+    as it would."""
+    low, high = calculate_range(args, weight.device)
+    out = torch.empty(weight.shape, dtype=args.pytorch_dtype())
+    changed = _round_trip_changes(out.dtype, weight.dtype)
+    step = max(1, ROWS_ELEMENTS // weight[0].numel())
+    for start in range(0, weight.shape[0], step):
+        rows = slice(start, start + step)
+        scaled = weight[rows] / (scale[rows] if "weight_scale" in per_row else scale)
+        if zero_point is not None:
+            scaled += (zero_point[rows] if "weight_zero_point" in per_row else zero_point).to(weight.dtype)
+        out[rows] = round_to_quantized_type_args(scaled, args, low, high, cast_to_original_dtype=False)
+        for code, back in changed:
+            bits = out[rows].view(torch.uint8)
+            bits.masked_fill_(bits == code, back)
+    return out
+
+
+@functools.cache
+def _round_trip_changes(code: torch.dtype, dtype: torch.dtype) -> tuple[tuple[int, int], ...]:
+    """The one-byte codes of `code` that a cast to `dtype` and back does not return as themselves, with what it
+    returns (none for an integer code, whose rounding happens in `dtype`)."""
+    if code.is_floating_point is False or torch.finfo(code).bits != 8:
+        return ()
+    codes = torch.arange(256, dtype=torch.uint8)
+    back = codes.view(code).to(dtype).to(code).view(torch.uint8)
+    return tuple((int(a), int(b)) for a, b in zip(codes, back) if a != b)
 
 
 def written_names(scheme: QuantizationScheme) -> tuple[str, ...]:
