@@ -55,7 +55,7 @@ def _codes(weight: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor |
     FP8 codes cast straight to the code dtype rather than through the weight's dtype and back: every FP8 value is
     one of any wider float's, and the codes that the round trip changes (bfloat16's: the sign of NaN) are changed
     as it would."""
-    low, high = calculate_range(args, weight.device)
+    low, high = (float(bound) for bound in calculate_range(args, weight.device))  # (exact; clamps faster)
     out = torch.empty(weight.shape, dtype=args.pytorch_dtype())
     changed = _round_trip_changes(out.dtype, weight.dtype)
     step = max(1, ROWS_ELEMENTS // weight[0].numel())
@@ -65,9 +65,12 @@ def _codes(weight: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor |
         if zero_point is not None:
             scaled += (zero_point[rows] if "weight_zero_point" in per_row else zero_point).to(weight.dtype)
         out[rows] = round_to_quantized_type_args(scaled, args, low, high, cast_to_original_dtype=False)
-        for code, back in changed:
+        if changed:
             bits = out[rows].view(torch.uint8)
-            bits.masked_fill_(bits == code, back)
+            top = int(bits.max())  # (a fast pass: most slices hold none of the codes to change)
+            for code, back in changed:
+                if code <= top:
+                    bits.masked_fill_(bits == code, back)
     return out
 
 
