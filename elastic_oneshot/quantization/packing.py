@@ -78,7 +78,7 @@ def _codes(weight: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor |
 def _round_trip_changes(code: torch.dtype, dtype: torch.dtype) -> tuple[tuple[int, int], ...]:
     """The one-byte codes of `code` that a cast to `dtype` and back does not return as themselves, with what it
     returns (none for an integer code, whose rounding happens in `dtype`)."""
-    if code.is_floating_point is False or torch.finfo(code).bits != 8:
+    if not code.is_floating_point or torch.finfo(code).bits != 8:
         return ()
     codes = torch.arange(256, dtype=torch.uint8)
     back = codes.view(code).to(dtype).to(code).view(torch.uint8)
