@@ -37,6 +37,8 @@ SAMPLES, SEQ = 16, 64
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
     return {"llama": lambda: make_model(str(root / "llama"), "llama", num_key_value_heads=4),  # v_proj feeds o_proj
+            "llama_bf16": lambda: make_model(str(root / "llama_bf16"), "llama", num_key_value_heads=4,
+                                             dtype=torch.bfloat16),
             "qwen3_moe": lambda: make_moe(str(root / "moe"), intermediate=128, attention=False),
             "smollm2": default_model}
 
@@ -59,7 +61,7 @@ def pair(models, tmp_path_factory):
             torch.set_num_threads(1)
             try:
                 peer = run_recipe(paths[model], str(root / "peer"), samples, SEQ, peer_recipe(name, moe, group),
-                                  moe=moe)
+                                  moe=moe, dtype="bfloat16" if model.endswith("bf16") else "float32")
             finally:
                 torch.set_num_threads(before)
                 proc = finished(ours, root / "ours")
@@ -98,6 +100,15 @@ def check(name: str, proc, ours, peer, exact_masks: float = 0.0):
 @pytest.mark.parametrize("name", RECIPES)
 def test_tiny_llama_equals_the_peer(pair, name):
     check(name, *pair("llama", name))
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("name", RECIPES)
+def test_tiny_bfloat16_llama_equals_the_peer(pair, name):
+    """A bfloat16 model, as users' are: the peer's steps in its dtype (AWQ's errors rounded to bfloat16, as its
+    mse_loss gives them)."""
+    check(name, *pair("llama_bf16", name))
 
 
 @pytest.mark.slow

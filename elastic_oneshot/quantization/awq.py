@@ -203,8 +203,10 @@ def usable(reference: list[torch.Tensor]) -> bool:
 
 @one_thread()
 def sample_errors(reference: list[torch.Tensor], got: list[torch.Tensor]) -> torch.Tensor:
-    """[samples]: each sample's summed squared error (fp32), on one thread, as the peer sums a batch's."""
-    return torch.stack([torch.nn.functional.mse_loss(r, g.to(r.device), reduction="sum")
+    """[samples]: each sample's summed squared error, on one thread, as the peer sums a batch's: rounded to the
+    outputs' dtype (a bfloat16 model's errors are bfloat16, as the peer's mse_loss gives them), then fp32, as the
+    peer adds them to its fp32 loss."""
+    return torch.stack([torch.nn.functional.mse_loss(r, g.to(r.device), reduction="sum").float()
                         for r, g in zip(reference, got)]) if reference else torch.zeros(0)
 
 
