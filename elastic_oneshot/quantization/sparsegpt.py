@@ -34,14 +34,14 @@ def sparsify(weight: torch.Tensor, prep: Prepared, sparsity: float, n: int = 0, 
         h1 = hinv[i1:i2, i1:i2]
         w1 = Wt[i1:i2].clone()
         kept = torch.empty_like(w1)
-        errors = torch.empty(rows, i2 - i1)  # in the peer's layout: the block's update is its matmul, same bits
+        errors = torch.empty(rows, i2 - i1, device=W.device)  # in the peer's layout: the block's update is its matmul, same bits
         diag = torch.diag(h1).reshape(1, -1)
         if n == 0:
             score = w1.t() ** 2 / diag**2
             threshold = torch.sort(score.flatten())[0][int(score.numel() * sparsity)]
             mask = score <= threshold
         else:
-            mask = torch.zeros(rows, i2 - i1, dtype=torch.bool)
+            mask = torch.zeros(rows, i2 - i1, dtype=torch.bool, device=W.device)
         for i in range(i2 - i1):
             if n and i % m == 0:
                 score = w1[i:i + m].t() ** 2 / diag[:, i:i + m] ** 2
