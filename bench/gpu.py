@@ -6,6 +6,9 @@ group 128: a Llama-3-8B-shaped model cut to its first 8 decoder layers, and a Qw
     python bench/gpu.py --only llama3-8b       # one of them (each fits one 10-minute device call)
     python bench/gpu.py --durability           # also ours with --boundary-every 0: the overhead of boundaries
     python bench/gpu.py --memory-trace         # on a GPU: where each side's peak GPU memory was (slower runs)
+    python bench/gpu.py --only llama3-8b --layers 4 --samples 64 --recipe awq_w4a16_asym --recipe fp8_dynamic
+                                               # issue 46's recipes (testing/recipes.py, groups of 128) from their
+                                               # YAML, against the peer's oneshot of the same modifiers
     python bench/gpu.py --tiny                 # the same code on CPU, tiny shapes, 16 x 128 tokens (about a
                                                # minute of CPU, most of it five interpreters importing)
     python bench/gpu.py --device cpu --memory  # no GPU: one layer of each model, ours and the peer's, on paper
@@ -38,6 +41,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from elastic_oneshot.testing import accountant, gpu  # noqa: E402
+from elastic_oneshot.testing.recipes import RECIPES  # noqa: E402
 from elastic_oneshot.testing.runs import tree_digest  # noqa: E402
 
 TOKENS = {"llama3-8b": (256, 2048), "qwen3-30b-a3b": (128, 2048)}  # samples x seq_len at full size
@@ -105,7 +109,8 @@ def phases(state: str) -> tuple[dict, int]:
 
 def sizes(name: str, a) -> tuple[int, int, str]:
     samples, seq_len = (16, 128) if a.tiny else TOKENS[name]
-    return a.samples or samples, a.seq_len or seq_len, os.path.join(a.workdir, name + ("-tiny" if a.tiny else ""))
+    return a.samples or samples, a.seq_len or seq_len, os.path.join(
+        a.workdir, name + ("-tiny" if a.tiny else "") + (f"-{a.layers}-layers" if a.layers else ""))
 
 
 def prepare(names: list[str], a):
@@ -114,18 +119,19 @@ def prepare(names: list[str], a):
     for name in names:
         samples, seq_len, work = sizes(name, a)
         os.makedirs(work, exist_ok=True)
-        gpu.make_shaped(os.path.join(work, "model"), name, tiny=a.tiny)
+        gpu.make_shaped(os.path.join(work, "model"), name, tiny=a.tiny, layers=a.layers)
         vocab = (gpu.TINY if a.tiny else gpu.SHAPES)[name][2]["vocab_size"]
         gpu.random_token_text(os.path.join(work, f"tokens-{samples}x{seq_len}.txt"), vocab, samples, seq_len)
 
 
-def table(name: str, ours: dict, theirs: dict | None, out: str, peer_out: str, samples: int, seq_len: int):
-    """The figures of one model, printed as soon as both sides have run: a deadline that cuts the durability run
-    short leaves them printed. Returns the share of identical codes (None without the peer)."""
+def table(name: str, ours: dict, theirs: dict | None, out: str, peer_out: str, samples: int, seq_len: int,
+          recipe: str | None):
+    """The figures of one model and recipe, printed as soon as both sides have run: a deadline that cuts the
+    durability run short leaves them printed. Returns the share of identical codes (None without the peer)."""
     gb = 2**30
-    print(f"\n{name} on {ours['device']} (torch {ours['torch']}), {samples} x {seq_len} tokens")
+    print(f"\n{name}, {recipe or 'W4A16'} on {ours['device']} (torch {ours['torch']}), {samples} x {seq_len} tokens")
     print(f"{'':26}{'ours':>10}{'peer':>10}{'ratio':>8}")
-    for label, key, scale, target in (("wall time (s)", "wall", 1, "target <= 0.6"),
+    for label, key, scale, target in (("wall time (s)", "wall", 1, f"target <= {0.8 if recipe else 0.6}"),
                                       ("peak GPU memory (GB)", "peak_gpu_bytes", gb, "target <= 1.0"),
                                       ("  reserved (GB)", "reserved_gpu_bytes", gb, ""),
                                       ("peak host RSS (GB)", "rss_bytes", gb, "")):
@@ -137,8 +143,8 @@ def table(name: str, ours: dict, theirs: dict | None, out: str, peer_out: str, s
             print(f"{label:26}{mine:10.2f}{'skipped':>10}")
     same = None
     if theirs:
-        same = gpu.identical(gpu.int4_codes(out), gpu.int4_codes(peer_out))
-        print(f"{'identical int codes':26}{same:10.4%}   (attention: eager, ours' default)")
+        same = gpu.identical(gpu.stored_codes(out), gpu.stored_codes(peer_out))
+        print(f"{'identical codes':26}{same:10.4%}   (attention: eager, ours' default)")
         if gpu.SHAPES[name][0] == "qwen3_moe":
             print("  (the peer's traced pipeline calibrates Qwen3-MoE with bidirectional attention, ours causal: "
                   "DESIGN.md section 6; tests/test_moe.py compares them with attention zeroed)")
@@ -164,13 +170,22 @@ def table(name: str, ours: dict, theirs: dict | None, out: str, peer_out: str, s
     return same
 
 
-def bench(name: str, a, env: dict, peer: bool) -> dict:
+def bench(name: str, recipe: str | None, a, env: dict, peer: bool) -> dict:
+    """One model with GPTQ W4A16 (groups of 128), or with `recipe` (testing/recipes.py's, from its YAML)."""
     samples, seq_len, work = sizes(name, a)
     model, data = os.path.join(work, "model"), os.path.join(work, f"tokens-{samples}x{seq_len}.txt")
-    print(f"\n== {name}: {samples} x {seq_len} random tokens, W4A16 group 128", flush=True)
-    out, peer_out = os.path.join(work, "ours"), os.path.join(work, "peer")
-    key = name + ("-memory" if a.memory_trace else "")
-    entry = {"model": name, "samples": samples, "seq_len": seq_len, "ours": None, "peer": None}
+    moe = "moe" in gpu.SHAPES[name][0]
+    print(f"\n== {name}: {samples} x {seq_len} random tokens, {recipe or 'W4A16 group 128'}", flush=True)
+    tag = f"-{recipe}" if recipe else ""
+    out, peer_out = os.path.join(work, "ours" + tag), os.path.join(work, "peer" + tag)
+    if recipe:
+        from elastic_oneshot.testing.recipes import recipe_yaml
+
+        with open(out + ".yaml", "w") as f:
+            f.write(recipe_yaml(recipe, moe))
+    scheme = ["--recipe", out + ".yaml"] if recipe else ["--group-size", "128"]
+    key = name + tag + ("-memory" if a.memory_trace else "")
+    entry = {"model": name, "recipe": recipe, "samples": samples, "seq_len": seq_len, "ours": None, "peer": None}
     runs = {}
 
     def kept(**more):  # what is known so far, merged into --result at once
@@ -183,9 +198,9 @@ def bench(name: str, a, env: dict, peer: bool) -> dict:
             shutil.rmtree(d, ignore_errors=True)
         runs[every] = measure("ours", ["run", "--model", model, "--dataset", data, "--output", output,
                                        "--state", output + ".state", "--num-samples", str(samples), "--seq-len",
-                                       str(seq_len), "--group-size", "128", "--chunk-size", str(a.chunk_size),
-                                       "--boundary-every", every], a.log or os.path.join(work, f"ours-{every}.log"),
-                              os.path.join(work, f"ours-{every}.json"), env)
+                                       str(seq_len), *scheme, "--chunk-size", str(a.chunk_size),
+                                       "--boundary-every", every], a.log or os.path.join(work, f"ours{tag}-{every}.log"),
+                              os.path.join(work, f"ours{tag}-{every}.json"), env)
         kept(**{"ours": runs[every]} if output == out else {}, boundary_runs={k: v["wall"] for k, v in runs.items()})
         runs[every]["phases"] = phases(output + ".state")
         print(f"ours (--boundary-every {every}): {runs[every]['wall']:.1f} s, peak GPU memory "
@@ -197,13 +212,14 @@ def bench(name: str, a, env: dict, peer: bool) -> dict:
     theirs = None
     if peer:
         shutil.rmtree(peer_out, ignore_errors=True)
-        theirs = measure("peer", [json.dumps(dict(model_dir=model, out=peer_out, dataset=data, samples=samples,
-                                                  seq_len=seq_len, group_size=128, dtype="auto",
-                                                  moe="moe" in gpu.SHAPES[name][0]))],
-                         a.log or os.path.join(work, "peer.log"), os.path.join(work, "peer.json"), env)
-        print(f"peer: {theirs['wall']:.1f} s, ratio {ours['wall'] / theirs['wall']:.3f} (target <= 0.6)", flush=True)
+        job = dict(model_dir=model, out=peer_out, dataset=data, samples=samples, seq_len=seq_len, dtype="auto", moe=moe)
+        theirs = measure("peer-recipe" if recipe else "peer",
+                         [json.dumps({**job, "recipe": recipe, "group": 128} if recipe else {**job, "group_size": 128})],
+                         a.log or os.path.join(work, f"peer{tag}.log"), os.path.join(work, f"peer{tag}.json"), env)
+        print(f"peer: {theirs['wall']:.1f} s, ratio {ours['wall'] / theirs['wall']:.3f} "
+              f"(target <= {0.8 if recipe else 0.6})", flush=True)
         kept(peer=theirs, wall_ratio=ours["wall"] / theirs["wall"])
-    same = table(name, ours, theirs, out, peer_out, samples, seq_len)
+    same = table(name, ours, theirs, out, peer_out, samples, seq_len, recipe)
     kept(identical=same)
     if a.durability:  # last: where a deadline cuts the bench short, the figures above are printed
         run_ours("0", out + "-0")
@@ -289,6 +305,9 @@ def main():
     p.add_argument("--tiny", action="store_true", help="tiny shapes on CPU: the same code, in under a minute")
     p.add_argument("--samples", type=int, help="calibration samples (default 256 Llama, 128 Qwen3-MoE; tiny 16)")
     p.add_argument("--seq-len", type=int, help="tokens per sample (default 2048; tiny 128)")
+    p.add_argument("--layers", type=int, help="decoder layers of the model (default 8 Llama, 2 Qwen3-MoE; tiny 2)")
+    p.add_argument("--recipe", action="append", choices=list(RECIPES),
+                   help="a recipe of issue 46 instead of GPTQ W4A16, against the peer's (repeatable)")
     p.add_argument("--chunk-size", type=int, default=8, help="ours: calibration samples per chunk (its default 8)")
     p.add_argument("--boundary-every", default="auto", help="ours: auto, N or 0 (its default auto)")
     p.add_argument("--durability", action="store_true", help="run ours with --boundary-every auto and 0: overhead")
@@ -335,13 +354,24 @@ def main():
                        env=env)
     print(f"models and tokens ready in {time.perf_counter() - t:.0f} s", flush=True)
     peer = not a.skip_peer and gpu.peer_available()
-    results = [bench(name, a, env, peer) for name in names]
+    results, failed = [], []
+    for name in names:
+        for recipe in a.recipe or [None]:
+            try:
+                results.append(bench(name, recipe, a, env, peer))
+            except SystemExit as e:  # a side failed: its lines are printed, the next recipe runs
+                if not a.recipe:
+                    raise
+                print(e, flush=True)
+                failed.append(recipe)
     if not a.result:
         with open(os.path.join(a.workdir, "result" + ("-tiny" if a.tiny else "") + ".json"), "w") as f:
             json.dump(results, f, indent=1)
     if not peer:
         print("\nthe peer was skipped: " + ("--skip-peer" if a.skip_peer else "llmcompressor is not installed"))
     print(f"bench: {time.perf_counter() - t:.0f} s in all")
+    if failed:
+        sys.exit(f"failed: {', '.join(failed)}")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,10 @@
 # /tmp/gpu-session): the wheels installed, models, states, checkpoints, caches.
 #
 #   bash launch/gpu_session.sh all [--tiny] [--budget SECONDS]
+#   bash launch/gpu_session.sh recipes [--tiny] [--budget SECONDS]   # issue 46's recipes instead, in one call
+#       (budget 520 s): tests/test_cuda.py -k recipes, then one bench/gpu.py on the Llama cut to 4 layers, 32 x 2048
+#       tokens, for sparse_2of4_fp8 nvfp4 awq_w4a16_asym smoothquant_w8a8 fp8_dynamic in that order (each side's
+#       figures in result.json as it ends; a recipe that fails is reported and the next one runs)
 #   bash launch/gpu_session.sh STEP [arguments for bench/gpu.py, or for pytest with tests]   # one step, no deadline
 #   (STEP: one of the four, or durability: ours on the Llama with --boundary-every auto against 0)
 #
@@ -30,7 +34,7 @@ export HF_HOME="$WORK/hf" XDG_CACHE_HOME="$WORK/cache" TMPDIR="$WORK/tmp" TRITON
     MPLCONFIGDIR="$WORK/mpl"  # nothing written outside $OUT and $WORK
 PY="${PYTHON:-python3}"
 export WORK OUT PY
-step="${1:?usage: launch/gpu_session.sh all [--tiny] [--budget SECONDS] | qwen3-30b-a3b|llama3-8b|memory|tests [args]}"
+step="${1:?usage: launch/gpu_session.sh all|recipes [--tiny] [--budget SECONDS] | qwen3-30b-a3b|llama3-8b|memory|tests [args]}"
 shift
 
 setup() {  # [SECONDS]: the wheels of .wheelhouse/ (exact versions, resolved against the image by wheelhouse.sh)
@@ -80,8 +84,8 @@ PYTHON
 }
 
 case "$step" in
-    all)
-        budget=420 tiny=()
+    all|recipes)
+        budget=$([ "$step" = all ] && echo 420 || echo 520) tiny=()
         while [ $# -gt 0 ]; do
             case "$1" in
                 --tiny) tiny=(--tiny); shift ;;
@@ -101,13 +105,24 @@ case "$step" in
             export ELASTIC_ONESHOT_TEST_DEVICE=cuda  # the CUDA tests fail rather than skip without a GPU
             sizes=(--samples 128) trace=(--samples 16 --memory-trace) workers=8
         fi
-        steps=(
-            "setup 150 setup"
-            "qwen3-30b-a3b 560 bench qwen3-30b-a3b qwen3-30b-a3b.log ${sizes[*]}"
-            "llama3-8b 915 bench llama3-8b llama3-8b.log ${sizes[*]}"
-            "memory 965 bench llama3-8b memory.log ${trace[*]}"
-            "tests 990 tests -n $workers --timeout 240"
-        )
+        if [ "$step" = all ]; then
+            steps=(
+                "setup 150 setup"
+                "qwen3-30b-a3b 560 bench qwen3-30b-a3b qwen3-30b-a3b.log ${sizes[*]}"
+                "llama3-8b 915 bench llama3-8b llama3-8b.log ${sizes[*]}"
+                "memory 965 bench llama3-8b memory.log ${trace[*]}"
+                "tests 990 tests -n $workers --timeout 240"
+            )
+        else  # the tests first (does each recipe run on the GPU, against the peer), then the costlier benches
+            [ ${#tiny[@]} -gt 0 ] && cut=(--tiny --samples 4 --seq-len 64) || cut=(--layers 4 --samples 32)
+            recipes=(--recipe sparse_2of4_fp8 --recipe nvfp4 --recipe awq_w4a16_asym --recipe smoothquant_w8a8
+                     --recipe fp8_dynamic)
+            steps=(
+                "setup 60 setup"
+                "tests 230 tests -n $workers --timeout 150 -k recipes"
+                "recipes 1000 bench llama3-8b recipes.log ${cut[*]} ${recipes[*]}"
+            )
+        fi
         for s in "${steps[@]}"; do
             read -r name share cmd <<<"$s"
             begun=$((SECONDS - start)) deadline=$((budget * share / 1000))

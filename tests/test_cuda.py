@@ -1,5 +1,6 @@
 """The CUDA path, on one GPU: the spine's parity with llmcompressor, kill -9 then resume byte-identical, the FP8 and
-NVFP4 schemes, and a Qwen3-MoE layer, in float32 and bfloat16. Skipped without a GPU.
+NVFP4 schemes, a Qwen3-MoE layer, in float32 and bfloat16, and each recipe of issue 46 (AWQ, SmoothQuant + GPTQ,
+SparseGPT, QuantizationModifier). Skipped without a GPU.
 
 ELASTIC_ONESHOT_TEST_DEVICE=cpu runs them on CPU (the GPU hidden), to check the tests themselves; =cuda insists on
 the GPU. Every job runs in a process of its own (elastic_oneshot.testing.gpu) that reports the peak GPU memory it
@@ -76,23 +77,8 @@ def as_dtype(path: str, dtype: str) -> str:
     return path
 
 
-def codes(path: str) -> dict[str, torch.Tensor]:
-    """Every quantized weight's stored codes: int4 unpacked from int32 words, fp4 nibbles, int8 and fp8 bytes."""
-    tensors = {}
-    for name in os.listdir(path):
-        if name.endswith(".safetensors"):
-            tensors.update(load_file(os.path.join(path, name)))
-    out = gpu.int4_codes(path)
-    for key, t in tensors.items():
-        if key.endswith(".weight_packed") and t.dtype == torch.uint8:
-            out[key] = torch.stack((t & 15, t >> 4), -1)
-        elif key.endswith(".weight") and t.dtype in (torch.int8, torch.float8_e4m3fn):
-            out[key] = t.view(torch.uint8)
-    return out
-
-
 def agree(mine: str, theirs: str, what: str, dtype: str, modules: int):
-    a, b = codes(mine), codes(theirs)
+    a, b = gpu.stored_codes(mine), gpu.stored_codes(theirs)
     assert len(a) == modules
     same = gpu.identical(a, b)
     print(f"{what} ({dtype}, {DEVICE}): codes identical to llmcompressor 0.14: {same:.4%}")
@@ -171,6 +157,25 @@ def test_fp8_and_nvfp4(scheme, dtype, tmp_path):
         scales = [k for k in a if k.endswith("input_scale")]
         assert scales and max(((a[k].float() - b[k].float()).abs() / b[k].float().abs()).max().item()
                               for k in scales) <= (1e-5 if dtype == "float32" else 1e-2)
+
+
+@pytest.mark.parametrize("recipe", ["awq_w4a16_asym", "smoothquant_w8a8", "sparse_2of4_fp8", "fp8_dynamic", "nvfp4"])
+def test_recipes(recipe, tmp_path):
+    """Each recipe from its YAML against the peer's oneshot of the same modifiers, in float32: codes (a sparse
+    one's zeros among them) and quantization configs agree; the checkpoint loads and generates."""
+    from elastic_oneshot.testing.recipes import recipe_yaml
+
+    model = make_model(str(tmp_path / "llama"), "llama", num_hidden_layers=2, num_key_value_heads=4)
+    (tmp_path / "recipe.yaml").write_text(recipe_yaml(recipe))
+    mine = ours(model, tmp_path / "ours", tmp_path, "--recipe", tmp_path / "recipe.yaml", "--num-samples", 16,
+                "--seq-len", 64, "--chunk-size", 8)
+    generates(mine, torch.bfloat16 if recipe == "nvfp4" else None)
+    if not gpu.peer_available():
+        pytest.skip("llmcompressor is not installed (launch/wheelhouse.sh --peer brings it)")
+    job = {"recipe": recipe, "group": 128, "model_dir": model, "out": str(tmp_path / "peer"), "samples": 16,
+           "seq_len": 64, "dataset": "builtin"}
+    measured("peer-recipe", [json.dumps(job)], tmp_path, "peer")
+    agree(mine, str(tmp_path / "peer"), recipe, "float32", modules=2 * 7)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

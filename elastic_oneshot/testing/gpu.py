@@ -4,6 +4,8 @@ process of its own that reports its peak GPU memory and the GPU's name.
 
     python -m elastic_oneshot.testing.gpu ours REPORT.json run --model M ...   # the CLI, measured
     python -m elastic_oneshot.testing.gpu peer REPORT.json '{"model_dir": ...}' # peer.run_peer(**JSON), measured
+    python -m elastic_oneshot.testing.gpu peer-recipe REPORT.json '{"recipe": "awq_w4a16_asym", "group": 128,
+        "model_dir": ...}'                      # peer.run_recipe with testing/recipes.py's recipe, measured
 
 Both sides use the GPU when torch sees one (CUDA_VISIBLE_DEVICES= hides it).
 """
@@ -16,7 +18,7 @@ import time
 
 import torch
 
-from elastic_oneshot.testing.peer import run_peer
+from elastic_oneshot.testing.peer import run_peer, run_recipe
 
 # Decoder shapes of real models, cut to a few layers: (model_type, layers, config). `TINY` has the same kinds at
 # sizes that run on CPU in seconds (every Linear's input a multiple of 128, for W4A16 groups of 128).
@@ -118,6 +120,21 @@ def int4_codes(path: str) -> dict[str, torch.Tensor]:
     return out
 
 
+def stored_codes(path: str) -> dict[str, torch.Tensor]:
+    """Every quantized weight's stored codes in a checkpoint: int4 unpacked from int32 words, fp4 nibbles, int8 and
+    fp8 bytes (a sparse one's zeros among them)."""
+    from safetensors.torch import load_file
+
+    out = int4_codes(path)
+    for f in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        for key, t in load_file(f).items():
+            if key.endswith(".weight_packed") and t.dtype == torch.uint8:
+                out[key] = torch.stack((t & 15, t >> 4), -1)
+            elif key.endswith(".weight") and t.dtype in (torch.int8, torch.float8_e4m3fn):
+                out[key] = t.view(torch.uint8)
+    return out
+
+
 def identical(a: dict, b: dict) -> float:
     """The share of codes equal in two checkpoints (which must quantize the same modules)."""
     if a.keys() != b.keys():
@@ -179,8 +196,15 @@ def main(argv: list[str]) -> int:
     elif side == "peer":
         run_peer(**json.loads(rest[0]))
         code = 0
+    elif side == "peer-recipe":
+        from elastic_oneshot.testing.recipes import peer_recipe
+
+        job = json.loads(rest[0])
+        recipe = peer_recipe(job.pop("recipe"), job.get("moe", False), job.pop("group"))
+        run_recipe(**job, recipe=recipe)
+        code = 0
     else:
-        raise SystemExit(f"unknown side {side}: ours or peer")
+        raise SystemExit(f"unknown side {side}: ours, peer or peer-recipe")
     sites = peak_sites(torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]) if trace else []
     _report(report, side, start, exit=code, peak_sites=sites)  # bench/gpu.py prints them in its table
     return code

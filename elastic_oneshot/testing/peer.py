@@ -47,7 +47,7 @@ def run_recipe(model_dir: str, out: str, samples: int, seq_len: int, recipe, moe
     """llmcompressor 0.14's oneshot with `recipe` (its modifier objects) on our calibration tokens, in its default
     pipeline (independent: each modifier over every layer before the next), written as it writes it to `out`. With
     `moe`, every expert calibrates on every token. On a machine without an accelerator its AWQ pins its caches and
-    fails: pinning is a no-op for the call."""
+    fails: there, pinning is a no-op for the call. The model loads in `dtype` ("auto": the checkpoint's)."""
     from datasets import Dataset
     from llmcompressor import oneshot
     from llmcompressor.pipelines.cache import IntermediatesCache
@@ -56,10 +56,11 @@ def run_recipe(model_dir: str, out: str, samples: int, seq_len: int, recipe, moe
     ids = calibration_samples(dataset, tokenizer, samples, seq_len, seed=0)
     ids = ids[torch.argsort(torch.argsort(torch.tensor([seq_len] * samples), descending=True))]  # as run_peer
     ds = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist()})
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype),
-                                                              attn_implementation="eager")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=dtype if dtype == "auto" else getattr(torch, dtype), attn_implementation="eager")
     pin = IntermediatesCache.pin_memory
-    IntermediatesCache.pin_memory = lambda self, *args, **kwargs: None
+    if not torch.cuda.is_available():
+        IntermediatesCache.pin_memory = lambda self, *args, **kwargs: None
     try:
         oneshot(model=model, dataset=ds, recipe=recipe, num_calibration_samples=samples, max_seq_length=seq_len,
                 shuffle_calibration_samples=False, **({"moe_calibrate_all_experts": True} if moe else {}))
