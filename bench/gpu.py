@@ -199,7 +199,8 @@ def bench(name: str, recipe: str | None, a, env: dict, peer: bool) -> dict:
         runs[every] = measure("ours", ["run", "--model", model, "--dataset", data, "--output", output,
                                        "--state", output + ".state", "--num-samples", str(samples), "--seq-len",
                                        str(seq_len), *scheme, "--chunk-size", str(a.chunk_size),
-                                       "--boundary-every", every], a.log or os.path.join(work, f"ours{tag}-{every}.log"),
+                                       "--boundary-every", every],
+                              a.log or os.path.join(work, f"ours{tag}-{every}.log"),
                               os.path.join(work, f"ours{tag}-{every}.json"), env)
         kept(**{"ours": runs[every]} if output == out else {}, boundary_runs={k: v["wall"] for k, v in runs.items()})
         runs[every]["phases"] = phases(output + ".state")
@@ -213,8 +214,8 @@ def bench(name: str, recipe: str | None, a, env: dict, peer: bool) -> dict:
     if peer:
         shutil.rmtree(peer_out, ignore_errors=True)
         job = dict(model_dir=model, out=peer_out, dataset=data, samples=samples, seq_len=seq_len, dtype="auto", moe=moe)
-        theirs = measure("peer-recipe" if recipe else "peer",
-                         [json.dumps({**job, "recipe": recipe, "group": 128} if recipe else {**job, "group_size": 128})],
+        job.update({"recipe": recipe, "group": 128} if recipe else {"group_size": 128})
+        theirs = measure("peer-recipe" if recipe else "peer", [json.dumps(job)],
                          a.log or os.path.join(work, f"peer{tag}.log"), os.path.join(work, f"peer{tag}.json"), env)
         print(f"peer: {theirs['wall']:.1f} s, ratio {ours['wall'] / theirs['wall']:.3f} "
               f"(target <= {0.8 if recipe else 0.6})", flush=True)

@@ -34,7 +34,8 @@ def sparsify(weight: torch.Tensor, prep: Prepared, sparsity: float, n: int = 0, 
         h1 = hinv[i1:i2, i1:i2]
         w1 = Wt[i1:i2].clone()
         kept = torch.empty_like(w1)
-        errors = torch.empty(rows, i2 - i1, device=W.device)  # in the peer's layout: the block's update is its matmul, same bits
+        # in the peer's layout: the block's update is its matmul, same bits
+        errors = torch.empty(rows, i2 - i1, device=W.device)
         diag = torch.diag(h1).reshape(1, -1)
         if n == 0:
             score = w1.t() ** 2 / diag**2
