@@ -28,7 +28,10 @@ cd "$(dirname "$0")/.."
 WORK="${WORK:-/tmp/gpu-session}"
 OUT="${OUT:-$WORK/out}"
 mkdir -p "$OUT" "$WORK/tmp"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+# bytecode cached in the work folder, not beside the sources: the first process compiles the wheels installed
+# without it (--no-compile) and the checkout, and every later one, ours or the peer's, starts as a user's would
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONPYCACHEPREFIX="$WORK/pycache"
+unset PYTHONDONTWRITEBYTECODE
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1  # no network there: never wait on the hub
 export HF_HOME="$WORK/hf" XDG_CACHE_HOME="$WORK/cache" TMPDIR="$WORK/tmp" TRITON_CACHE_DIR="$WORK/triton" \
     MPLCONFIGDIR="$WORK/mpl"  # nothing written outside $OUT and $WORK
