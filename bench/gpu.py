@@ -129,7 +129,8 @@ def table(name: str, ours: dict, theirs: dict | None, out: str, peer_out: str, s
     """The figures of one model and recipe, printed as soon as both sides have run: a deadline that cuts the
     durability run short leaves them printed. Returns the share of identical codes (None without the peer)."""
     gb = 2**30
-    print(f"\n{name}, {recipe or 'W4A16'} on {ours['device']} (torch {ours['torch']}), {samples} x {seq_len} tokens")
+    title = f"{name}, {recipe}" if recipe else name
+    print(f"\n{title} on {ours['device']} (torch {ours['torch']}), {samples} x {seq_len} tokens")
     print(f"{'':26}{'ours':>10}{'peer':>10}{'ratio':>8}")
     for label, key, scale, target in (("wall time (s)", "wall", 1, f"target <= {0.8 if recipe else 0.6}"),
                                       ("peak GPU memory (GB)", "peak_gpu_bytes", gb, "target <= 1.0"),
