@@ -6,9 +6,10 @@ and peak RSS of each side's process, from its start to its saved checkpoint, and
 
 The recipes are elastic_oneshot/testing/recipes.py's (the parity tests'), with groups of 64 for the W4A16 ones
 (SmolLM2's 576 columns); ours runs them from their YAML in one process, the peer from the same YAML's modifier
-objects in its default pipeline (testing.peer.run_recipe). Goal (issue 46): ours at most 0.8 of the peer's wall, and
-QuantizationModifier without calibration data (fp8_dynamic) at most the time to read and write the model, timed as a
-process that reads every tensor of the checkpoint and writes them all to a new file ("read + write").
+objects in its default pipeline (testing.peer.run_recipe), both in the checkpoint's dtype. Goal (issue 46): ours at
+most 0.8 of the peer's wall, and QuantizationModifier without calibration data (fp8_dynamic) at most the time to read
+and write the model, timed as a process that reads every tensor of the checkpoint and writes them all to a new file
+("read + write").
 """
 
 import argparse
@@ -48,7 +49,7 @@ def main():
         from elastic_oneshot.testing.peer import run_recipe
 
         name, model, out = a.peer_child
-        return run_recipe(model, out, a.samples, a.seq_len, peer_recipe(name, group=GROUP))
+        return run_recipe(model, out, a.samples, a.seq_len, peer_recipe(name, group=GROUP), dtype="auto")
     if a.copy_child:
         return copy_model(*a.copy_child)
 
