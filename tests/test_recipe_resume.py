@@ -8,6 +8,7 @@ import subprocess
 import time
 
 import pytest
+import torch
 
 from elastic_oneshot.testing.recipes import recipe_yaml
 from elastic_oneshot.testing.runs import assert_same_bits, one_thread_env, run_cli, torchrun_cmd, workers
@@ -79,3 +80,16 @@ def test_killed_in_a_pass_then_resumed_at_another_world_size(model, reference, t
     print(f"\n{name}: killed at W=2 with {len(done)} of {LAYERS} layers of {folder or 'the last pass'} committed")
     assert "belongs to this job: resuming" in run_at(resumed, *args).stderr
     assert_same_bits(out, reference(name))
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_bfloat16_awq_writes_the_same_bits_at_two_ranks(tmp_path):
+    """AWQ on a bfloat16 model (each sample's error rounded to bfloat16, as the peer's): its choices, summed in
+    sample order from per-sample slots, do not depend on the world size."""
+    model = make_model(str(tmp_path / "bf16"), "llama", num_hidden_layers=2, num_key_value_heads=4,
+                       dtype=torch.bfloat16)
+    (tmp_path / "recipe.yaml").write_text(recipe_yaml("awq_w4a16_asym"))
+    for size in (1, 2):
+        run_at(size, "--model", model, "--recipe", tmp_path / "recipe.yaml", "--output", tmp_path / f"w{size}", *JOB)
+    assert_same_bits(tmp_path / "w2", tmp_path / "w1")
