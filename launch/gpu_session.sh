@@ -60,6 +60,26 @@ print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.
       "llmcompressor", "yes" if u.find_spec("llmcompressor") else "no")' || echo "(the versions' check: exit $?)"
 }
 
+imports() {  # the seconds `import elastic_oneshot.surface.api` takes there (-X importtime), the first time (which
+    # compiles the bytecode into $WORK/pycache) and again, with its largest top-level imports
+    for run in first again; do
+        "$PY" -X importtime -c 'import elastic_oneshot.surface.api' 2>"$WORK/importtime-$run.txt" || return 0
+    done
+    "$PY" - "$WORK"/importtime-first.txt "$WORK"/importtime-again.txt <<'PYTHON'
+import sys
+for path, run in zip(sys.argv[1:], ("first", "again")):
+    total, packages = 0.0, []  # packages: each top-level one where first imported (nested in another's time)
+    for line in open(path):
+        fields = line.removeprefix("import time:").split("|")
+        if len(fields) == 3 and fields[1].strip().isdigit():
+            seconds, name = int(fields[1]) / 1e6, fields[2].strip()
+            total += seconds if not fields[2][1:].startswith(" ") else 0
+            if "." not in name and not name.startswith("_") and name != "elastic_oneshot":
+                packages.append((seconds, name))
+    print(f"imports ({run}): {total:.2f} s; " + ", ".join(f"{n} {t:.2f}" for t, n in sorted(packages)[::-1][:6]))
+PYTHON
+}
+
 bench() {  # NAME LOG [bench/gpu.py arguments]
     local name=$1 log=$2; shift 2
     "$PY" bench/gpu.py --only "$name" --workdir "$WORK/bench" --log "$OUT/$log" --result "$OUT/result.json" "$@" \
@@ -121,8 +141,8 @@ case "$step" in
             recipes=(--recipe sparse_2of4_fp8 --recipe nvfp4 --recipe awq_w4a16_asym --recipe smoothquant_w8a8
                      --recipe fp8_dynamic)
             steps=(
-                "setup 60 setup"
-                "tests 230 tests -n $workers --timeout 150 -k recipes"
+                "setup 80 setup"
+                "tests 240 tests -n $workers --timeout 150 -k recipes"
                 "recipes 1000 bench llama3-8b recipes.log ${cut[*]} ${recipes[*]}"
             )
         fi
@@ -136,6 +156,8 @@ case "$step" in
             fi
             if [ "$name" = setup ]; then  # in this shell: its PYTHONPATH is the steps'
                 setup "$((left - 2))"; code=$?
+                rest=$((deadline - SECONDS + start))
+                [ $code = 0 ] && [ $rest -gt 2 ] && timeout -k 3 "$rest" bash -c "$(declare -f imports); imports"
             else
                 timeout -k 3 "$left" bash -c "$(declare -f bench tests); $cmd" _; code=$?
             fi

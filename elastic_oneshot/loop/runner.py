@@ -157,8 +157,9 @@ class Runner:
             self.state.append_event(events.start(self.epoch, self.world.size, len(self.committed),
                                                  int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))))
             metrics.history(self.state)
-            log.info("epoch %d, world size %d: %d of %d layers committed; next is layer %s", self.epoch,
-                     self.world.size, len(self.committed), self.source.num_layers, todo[0] if todo else "none")
+            log.info("epoch %d, world size %d: %d of %d layers committed; next is layer %s (%.1f s after this "
+                     "process started)", self.epoch, self.world.size, len(self.committed), self.source.num_layers,
+                     todo[0] if todo else "none", _process_age())
 
     def _fence(self, valid: dict[int, int], change: tuple[int, str] | None) -> dict:
         """Rank 0: the new epoch's start for every rank, on the `valid` commits less the layers from the first one
@@ -511,3 +512,15 @@ class Passes:
             if index < self.count - 1:
                 self.current.release()
             index += 1
+
+
+def _process_age() -> float:
+    """Seconds since this process started (a restart's time to work: imports, the model's checks, the epoch), from
+    /proc; nan where there is none."""
+    try:
+        with open("/proc/self/stat") as f:
+            started = int(f.read().rpartition(")")[2].split()[19]) / os.sysconf("SC_CLK_TCK")
+        with open("/proc/uptime") as f:
+            return float(f.read().split()[0]) - started
+    except (OSError, ValueError, IndexError):
+        return float("nan")
