@@ -411,7 +411,7 @@ def check_invariants(cluster: Cluster, corrupted_layers: set[int], reference: st
         if lost:
             failures.append(f"progress went backwards from epoch {a['epoch']} to {b['epoch']}: layers {sorted(lost)}")
     committed = records.committed()
-    failures += late_writes(store, records, committed)
+    failures += late_writes(store, records, committed, corrupted_layers)
     layers = store.job()["num_layers"]
     if sorted(committed) != list(range(layers)):
         failures.append(f"final state lacks layers {sorted(set(range(layers)) - set(committed))}")
@@ -422,11 +422,12 @@ def check_invariants(cluster: Cluster, corrupted_layers: set[int], reference: st
     return failures
 
 
-def late_writes(store: StateStore, records, committed: dict[int, int]) -> list[str]:
+def late_writes(store: StateStore, records, committed: dict[int, int], corrupted_layers: set[int]) -> list[str]:
     """A commit that counts must be older than the fence of the epoch after its own (else a worker of an older
     epoch committed), and the weight files it names older than it (else something wrote into a committed
     layer). Read from the files' modification times; etcd's commits are transactions on the epoch key, and carry
-    no time, so only the commits kept as files are checked."""
+    no time, so only the commits kept as files are checked. A commit record the harness corrupted (of a layer in
+    `corrupted_layers`) is passed over: the job had read it, or it would have redone the layer."""
     if records.url is not None:
         return []
     slack = 1.0 if store.local is None else 0.0  # object stores keep whole seconds
@@ -438,7 +439,13 @@ def late_writes(store: StateStore, records, committed: dict[int, int]) -> list[s
         if commit is not None and newer is not None and commit > newer + slack:
             failures.append(f"layer {layer} was committed in epoch {epoch} {commit - newer:.1f} s after epoch "
                             f"{epoch + 1} began")
-        for record in records.manifest(layer, epoch)["weights"]:
+        try:
+            manifest = records.manifest(layer, epoch)
+        except CorruptStateError:  # corrupted by the harness after the job's last read of it: the bits tell
+            if layer not in corrupted_layers:
+                failures.append(f"layer {layer}'s commit record of epoch {epoch} is unreadable")
+            continue
+        for record in manifest["weights"]:
             written = when.get(record["path"])
             if commit is not None and written is not None and written > commit + slack:
                 failures.append(f"{record['path']} was written {written - commit:.1f} s after layer {layer}'s "

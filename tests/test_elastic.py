@@ -139,20 +139,27 @@ def test_a_stale_worker_cannot_commit(model, tmp_path):
 
 
 def test_the_chaos_invariants_see_a_late_commit_and_a_late_write(tmp_path):
+    """And an unreadable commit record, unless the harness corrupted it (after the job's last read of it)."""
     state = StateStore(tmp_path / "state")
     records = FileRecords(state)
     records.begin_epoch({})
     weights = state.write_tensors("layers/00000/e00001.r0.b0000.safetensors", {"w": torch.zeros(2)})
     records.commit(0, 1, {"weights": [weights]})
     records.begin_epoch({0: 1})
-    assert late_writes(state, records, records.committed()) == []
+    assert late_writes(state, records, records.committed(), set()) == []
     later = time.time() + 5
     os.utime(state.root + "/layers/00000/e00001.r0.b0000.safetensors", (later, later))
-    assert late_writes(state, records, records.committed())[0].startswith(
+    assert late_writes(state, records, records.committed(), set())[0].startswith(
         "layers/00000/e00001.r0.b0000.safetensors was written 5")
     os.utime(state.root + "/commits/00000.e00001.json", (later + 1, later + 1))
-    assert late_writes(state, records, records.committed())[0].startswith(
+    assert late_writes(state, records, records.committed(), set())[0].startswith(
         "layer 0 was committed in epoch 1 6")
+    with open(state.root + "/commits/00000.e00001.json", "w") as f:  # a record made unreadable
+        f.write("{")
+    os.utime(state.root + "/commits/00000.e00001.json", (1, 1))  # and not late
+    assert late_writes(state, records, records.committed(), set()) == [
+        "layer 0's commit record of epoch 1 is unreadable"]
+    assert late_writes(state, records, records.committed(), {0}) == []  # the harness corrupted it
 
 
 @pytest.mark.slow
