@@ -141,8 +141,8 @@ case "$step" in
             recipes=(--recipe sparse_2of4_fp8 --recipe nvfp4 --recipe awq_w4a16_asym --recipe smoothquant_w8a8
                      --recipe fp8_dynamic)
             steps=(
-                "setup 80 setup"
-                "tests 240 tests -n $workers --timeout 150 -k recipes"
+                "setup 100 setup"
+                "tests 250 tests -n $workers --timeout 150 -k recipes"
                 "recipes 1000 bench llama3-8b recipes.log ${cut[*]} ${recipes[*]}"
             )
         fi
