@@ -41,7 +41,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from elastic_oneshot.testing import accountant, gpu  # noqa: E402
-from elastic_oneshot.testing.recipes import RECIPES  # noqa: E402
+from elastic_oneshot.testing.recipes import RECIPES, recipe_yaml  # noqa: E402
 from elastic_oneshot.testing.runs import tree_digest  # noqa: E402
 
 TOKENS = {"llama3-8b": (256, 2048), "qwen3-30b-a3b": (128, 2048)}  # samples x seq_len at full size
@@ -124,6 +124,11 @@ def prepare(names: list[str], a):
         gpu.random_token_text(os.path.join(work, f"tokens-{samples}x{seq_len}.txt"), vocab, samples, seq_len)
 
 
+def wall_goal(recipe: str | None) -> float:
+    """The most of the peer's wall time ours may take: GPTQ's (issue 43), a recipe's (issue 46)."""
+    return 0.8 if recipe else 0.6
+
+
 def table(name: str, ours: dict, theirs: dict | None, out: str, peer_out: str, samples: int, seq_len: int,
           recipe: str | None):
     """The figures of one model and recipe, printed as soon as both sides have run: a deadline that cuts the
@@ -132,7 +137,7 @@ def table(name: str, ours: dict, theirs: dict | None, out: str, peer_out: str, s
     title = f"{name}, {recipe}" if recipe else name
     print(f"\n{title} on {ours['device']} (torch {ours['torch']}), {samples} x {seq_len} tokens")
     print(f"{'':26}{'ours':>10}{'peer':>10}{'ratio':>8}")
-    for label, key, scale, target in (("wall time (s)", "wall", 1, f"target <= {0.8 if recipe else 0.6}"),
+    for label, key, scale, target in (("wall time (s)", "wall", 1, f"target <= {wall_goal(recipe)}"),
                                       ("peak GPU memory (GB)", "peak_gpu_bytes", gb, "target <= 1.0"),
                                       ("  reserved (GB)", "reserved_gpu_bytes", gb, ""),
                                       ("peak host RSS (GB)", "rss_bytes", gb, "")):
@@ -180,8 +185,6 @@ def bench(name: str, recipe: str | None, a, env: dict, peer: bool) -> dict:
     tag = f"-{recipe}" if recipe else ""
     out, peer_out = os.path.join(work, "ours" + tag), os.path.join(work, "peer" + tag)
     if recipe:
-        from elastic_oneshot.testing.recipes import recipe_yaml
-
         with open(out + ".yaml", "w") as f:
             f.write(recipe_yaml(recipe, moe))
     scheme = ["--recipe", out + ".yaml"] if recipe else ["--group-size", "128"]
@@ -219,7 +222,7 @@ def bench(name: str, recipe: str | None, a, env: dict, peer: bool) -> dict:
         theirs = measure("peer-recipe" if recipe else "peer", [json.dumps(job)],
                          a.log or os.path.join(work, f"peer{tag}.log"), os.path.join(work, f"peer{tag}.json"), env)
         print(f"peer: {theirs['wall']:.1f} s, ratio {ours['wall'] / theirs['wall']:.3f} "
-              f"(target <= {0.8 if recipe else 0.6})", flush=True)
+              f"(target <= {wall_goal(recipe)})", flush=True)
         kept(peer=theirs, wall_ratio=ours["wall"] / theirs["wall"])
     same = table(name, ours, theirs, out, peer_out, samples, seq_len, recipe)
     kept(identical=same)

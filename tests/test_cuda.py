@@ -23,8 +23,10 @@ from safetensors.torch import load_file
 
 from elastic_oneshot.loop.data import heldout_samples
 from elastic_oneshot.testing import gpu
+from elastic_oneshot.testing.recipes import recipe_yaml
 from elastic_oneshot.testing.runs import tree_digest
 from elastic_oneshot.testing.tiny import make_model, make_moe
+from tests.recipe_cases import loads_and_generates
 
 DEVICE = os.environ.get("ELASTIC_ONESHOT_TEST_DEVICE") or ("cuda" if torch.cuda.is_available() else "")
 pytestmark = pytest.mark.cuda  # skipped without a GPU (conftest.py); ELASTIC_ONESHOT_TEST_DEVICE=cpu runs them on CPU
@@ -61,11 +63,12 @@ def ours(model: str, out, tmp_path, *args) -> str:
     return str(out)
 
 
-def peer(model: str, out, tmp_path, **kwargs) -> str:
+def peer(model: str, out, tmp_path, side: str = "peer", **kwargs) -> str:
+    """The peer's run (`side`: testing.gpu's peer, GPTQ, or peer-recipe) of `model` into `out`."""
     if not gpu.peer_available():
         pytest.skip("llmcompressor is not installed (launch/wheelhouse.sh --peer brings it)")
     job = {"model_dir": model, "out": str(out), "dataset": "builtin", "dtype": "auto", **kwargs}
-    measured("peer", [json.dumps(job)], tmp_path, out.name)
+    measured(side, [json.dumps(job)], tmp_path, out.name)
     return str(out)
 
 
@@ -162,20 +165,16 @@ def test_fp8_and_nvfp4(scheme, dtype, tmp_path):
 @pytest.mark.parametrize("recipe", ["awq_w4a16_asym", "smoothquant_w8a8", "sparse_2of4_fp8", "fp8_dynamic", "nvfp4"])
 def test_recipes(recipe, tmp_path):
     """Each recipe from its YAML against the peer's oneshot of the same modifiers, in float32: codes (a sparse
-    one's zeros among them) and quantization configs agree; the checkpoint loads and generates."""
-    from elastic_oneshot.testing.recipes import recipe_yaml
-
+    one's zeros among them) and quantization configs agree; the checkpoint loads as a user loads it (a fresh
+    interpreter) and generates."""
     model = make_model(str(tmp_path / "llama"), "llama", num_hidden_layers=2, num_key_value_heads=4)
     (tmp_path / "recipe.yaml").write_text(recipe_yaml(recipe))
     mine = ours(model, tmp_path / "ours", tmp_path, "--recipe", tmp_path / "recipe.yaml", "--num-samples", 16,
                 "--seq-len", 64, "--chunk-size", 8)
-    generates(mine, torch.bfloat16 if recipe == "nvfp4" else None)
-    if not gpu.peer_available():
-        pytest.skip("llmcompressor is not installed (launch/wheelhouse.sh --peer brings it)")
-    job = {"recipe": recipe, "group": 128, "model_dir": model, "out": str(tmp_path / "peer"), "samples": 16,
-           "seq_len": 64, "dataset": "builtin"}
-    measured("peer-recipe", [json.dumps(job)], tmp_path, "peer")
-    agree(mine, str(tmp_path / "peer"), recipe, "float32", modules=2 * 7)
+    loads_and_generates(mine)
+    theirs = peer(model, tmp_path / "peer", tmp_path, side="peer-recipe", recipe=recipe, group=128, samples=16,
+                  seq_len=64)
+    agree(mine, theirs, recipe, "float32", modules=2 * 7)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -19,6 +19,7 @@ import time
 import torch
 
 from elastic_oneshot.testing.peer import run_peer, run_recipe
+from elastic_oneshot.testing.recipes import peer_recipe
 
 # Decoder shapes of real models, cut to a few layers: (model_type, layers, config). `TINY` has the same kinds at
 # sizes that run on CPU in seconds (every Linear's input a multiple of 128, for W4A16 groups of 128).
@@ -103,35 +104,25 @@ def peer_available() -> bool:
     return all(importlib.util.find_spec(m) is not None for m in ("llmcompressor", "datasets"))
 
 
-def int4_codes(path: str) -> dict[str, torch.Tensor]:
-    """The int4 codes (0..15) of every `pack-quantized` weight in a checkpoint's shards, unpacked here (8 per
-    int32 word, element i at bit 4i), so that no compressed-tensors is needed to compare."""
+def stored_codes(path: str) -> dict[str, torch.Tensor]:
+    """Every quantized weight's stored codes in a checkpoint's shards, read here so that no compressed-tensors is
+    needed to compare: int4 unpacked from `pack-quantized` int32 words (8 per word, element i at bit 4i), fp4
+    nibbles, int8 and fp8 bytes (a sparse one's zeros among them)."""
     from safetensors.torch import load_file
 
     tensors = {}
     for f in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
         tensors.update(load_file(f))
     out = {}
-    for key, packed in tensors.items():
-        if key.endswith(".weight_packed") and packed.dtype == torch.int32:
+    for key, t in tensors.items():
+        if key.endswith(".weight_packed") and t.dtype == torch.int32:
             rows, cols = tensors[key.replace("_packed", "_shape")].tolist()
             shifts = torch.arange(0, 32, 4, dtype=torch.int32)
-            out[key] = ((packed.unsqueeze(-1) >> shifts) & 15).reshape(rows, -1)[:, :cols].to(torch.uint8)
-    return out
-
-
-def stored_codes(path: str) -> dict[str, torch.Tensor]:
-    """Every quantized weight's stored codes in a checkpoint: int4 unpacked from int32 words, fp4 nibbles, int8 and
-    fp8 bytes (a sparse one's zeros among them)."""
-    from safetensors.torch import load_file
-
-    out = int4_codes(path)
-    for f in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
-        for key, t in load_file(f).items():
-            if key.endswith(".weight_packed") and t.dtype == torch.uint8:
-                out[key] = torch.stack((t & 15, t >> 4), -1)
-            elif key.endswith(".weight") and t.dtype in (torch.int8, torch.float8_e4m3fn):
-                out[key] = t.view(torch.uint8)
+            out[key] = ((t.unsqueeze(-1) >> shifts) & 15).reshape(rows, -1)[:, :cols].to(torch.uint8)
+        elif key.endswith(".weight_packed") and t.dtype == torch.uint8:
+            out[key] = torch.stack((t & 15, t >> 4), -1)
+        elif key.endswith(".weight") and t.dtype in (torch.int8, torch.float8_e4m3fn):
+            out[key] = t.view(torch.uint8)
     return out
 
 
@@ -197,8 +188,6 @@ def main(argv: list[str]) -> int:
         run_peer(**json.loads(rest[0]))
         code = 0
     elif side == "peer-recipe":
-        from elastic_oneshot.testing.recipes import peer_recipe
-
         job = json.loads(rest[0])
         recipe = peer_recipe(job.pop("recipe"), job.get("moe", False), job.pop("group"))
         run_recipe(**job, recipe=recipe)
