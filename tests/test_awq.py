@@ -49,13 +49,13 @@ def layer_step(model, ids, mappings: list[awq.Mapping], schemes: dict, stage: AW
         elements = 0
         for part in parts:  # each rank: its samples only
             mine = [calls[i] for i in part]
-            reference = awq.outputs(modules[m.parent], mine)
-            assert awq.usable(reference)
+            reference = list(awq.outputs(modules[m.parent], mine))
+            assert all(y.isfinite().all() for y in reference)
             elements += sum(r.numel() for r in reference)
             with awq.Candidates(quantized, points, x_mean, w_mean, args, fused) as held:
                 for point in range(len(points)):
                     held.hold(point)
-                    errors[point, part] = awq.sample_errors(reference, awq.outputs(modules[m.parent], mine))
+                    errors[point, part] = awq.sample_errors(reference, list(awq.outputs(modules[m.parent], mine)))
         chosen, _ = search_on(errors, ranks, 4, 0, elements)
         s = awq.scales(x_mean, w_mean, *points[chosen[0]])
         smooth = modules[m.smooth]

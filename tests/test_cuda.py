@@ -1,6 +1,6 @@
 """The CUDA path, on one GPU: the spine's parity with llmcompressor, kill -9 then resume byte-identical, the FP8 and
 NVFP4 schemes, a Qwen3-MoE layer, in float32 and bfloat16, and each recipe of issue 46 (AWQ, SmoothQuant + GPTQ,
-SparseGPT, QuantizationModifier). Skipped without a GPU.
+SparseGPT, QuantizationModifier), AWQ over its memory budget. Skipped without a GPU.
 
 ELASTIC_ONESHOT_TEST_DEVICE=cpu runs them on CPU (the GPU hidden), to check the tests themselves; =cuda insists on
 the GPU. Every job runs in a process of its own (elastic_oneshot.testing.gpu) that reports the peak GPU memory it
@@ -175,6 +175,22 @@ def test_recipes(recipe, tmp_path):
     theirs = peer(model, tmp_path / "peer", tmp_path, side="peer-recipe", recipe=recipe, group=128, samples=16,
                   seq_len=64)
     agree(mine, theirs, recipe, "float32", modules=2 * 7)
+
+
+def test_awq_over_its_budget_holds_less_and_writes_the_same_bits(tmp_path):
+    """AWQ's recorded calls and reference outputs, once past half of --max-memory, kept on the host and brought back
+    one call at a time (loop/device_cache.py): the same checkpoint, byte for byte, at a lower peak of GPU memory."""
+    model = make_model(str(tmp_path / "llama"), "llama", num_hidden_layers=2, num_key_value_heads=4,
+                       dtype=torch.bfloat16)
+    (tmp_path / "recipe.yaml").write_text(recipe_yaml("awq_w4a16_asym"))
+    args = ["--recipe", tmp_path / "recipe.yaml", "--num-samples", 32, "--seq-len", 256, "--chunk-size", 8]
+    held = measured("ours", ["run", "--model", model, "--output", str(tmp_path / "held"), *map(str, args)],
+                    tmp_path, "held")
+    spilled = measured("ours", ["run", "--model", model, "--output", str(tmp_path / "spilled"), *map(str, args),
+                                "--max-memory", "1MB"], tmp_path, "spilled")
+    assert tree_digest(tmp_path / "held") == tree_digest(tmp_path / "spilled")
+    if DEVICE == "cuda":
+        assert spilled["peak_gpu_bytes"] < held["peak_gpu_bytes"]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -24,6 +24,8 @@ to the phase it belongs to, as the runner's commits report them.
 import contextlib
 import functools
 import inspect
+import logging
+import math
 import time
 from collections.abc import Callable, Iterable, Iterator
 
@@ -31,6 +33,7 @@ import torch
 
 from elastic_oneshot.distributed.world import World
 from elastic_oneshot.loop.calibration import Calibration
+from elastic_oneshot.loop.device_cache import DeviceCache, tensor_ids
 from elastic_oneshot.loop.passes import DENSE, SCALES, Pass, Unit, dense
 from elastic_oneshot.models.moe import experts_mode, has_experts, replayable, streamed
 from elastic_oneshot.models.source import SourceModel
@@ -41,6 +44,7 @@ from elastic_oneshot.quantization.plan import Group, layer_groups, make_plan
 from elastic_oneshot.quantization.recipe import GPTQ, Recipe
 from elastic_oneshot.quantization.schemes import input_qparams, static_inputs
 
+log = logging.getLogger("elastic_oneshot")
 Persist = Callable[[list[str], dict], None]
 Chunks = Callable[[], Iterable[tuple[int, torch.Tensor]]]
 
@@ -155,17 +159,18 @@ class LayerStep:
 
     # -- decide ----------------------------------------------------------------------------------------------
     def decide(self, layer: int, module, todo: list, tensors: dict, chunks: Chunks, kwargs: Callable[[], dict],
-               seconds: dict, persist: Persist) -> tuple[dict, dict | None]:
+               seconds: dict, persist: Persist, budget: int | None = None) -> tuple[dict, dict | None]:
         """This pass's decisions on `layer` but GPTQ's (`compress`): those of the units in `todo` computed over this
         rank's `chunks` (a callable giving (chunk, inputs) pairs) and the ranks', this rank's share persisted; the
         others' taken from `tensors` (an earlier attempt's), which gets every decision; `module` changed as the
         pass leaves it. Returns this rank's notes, and the next layer's inputs where computing the decisions gave
-        them (None: propagate)."""
+        them (None: propagate). `budget`: the bytes the device may hold (None: unbounded), which bounds what AWQ
+        caches there."""
         names = {u.name for u in todo if u.name != DENSE}
         if self.kind == "smoothing":
             return self._smoothing(layer, module, names, tensors, chunks, kwargs, seconds, persist), None
         if self.kind == "awq":
-            return self._awq(layer, module, names, tensors, chunks, kwargs, seconds, persist), None
+            return self._awq(layer, module, names, tensors, chunks, kwargs, seconds, persist, budget), None
         groups = [g for g in todo if isinstance(g, Group)]
         if self.kind == "sparsegpt":
             return self._sparsegpt(layer, module, groups, tensors, chunks, kwargs, seconds, persist), None
@@ -227,16 +232,22 @@ class LayerStep:
         dtypes = {n: module.get_submodule(n).weight.dtype for n in names}
         return _extrema(self.world, {n: seen.get(n) for n in names}, channels, dtypes)
 
-    def _awq(self, layer, module, names, tensors, chunks, kwargs, seconds, persist) -> dict:
+    def _awq(self, layer, module, names, tensors, chunks, kwargs, seconds, persist, budget) -> dict:
         prefix, notes = self.prefix(layer), {}
         mappings = self.stage.mappings[layer]
-        record = self._record(module, [m for m in mappings if m.smooth in names], chunks, kwargs, seconds) \
+        cache = DeviceCache(self.device, _cache_allowance(module, budget, self.device))
+        record = self._record(module, [m for m in mappings if m.smooth in names], chunks, kwargs, seconds, cache) \
             if names else None
-        for m in mappings:  # in order: each mapping's search sees the layer as the mappings before it left it
+        if cache.spilled:
+            log.info("layer %d: rank %d's AWQ keeps %.2f GB of its recorded calls on the host, to keep within %.1f GB "
+                     "of device memory", layer, self.world.rank, cache.spilled / 1e9, budget / 1e9)
+        for i, m in enumerate(mappings):  # in order: each mapping's search sees the layer as the earlier left it
             key = f"{prefix}{m.smooth}.{SCALES}"
             if m.smooth in names:
                 with timed(seconds, "solve"), experts_mode(module, self.all_experts):
-                    tensors[key], point = self._search(layer, module, m, record)
+                    tensors[key], point = self._search(layer, module, m, record, DeviceCache(self.device, cache.left))
+                if m.parent not in {later.parent for later in mappings[i + 1:]}:
+                    del record["calls"][m.parent]  # its calls are not replayed again
                 notes[m.smooth] = {"awq_grid_point": point}
                 if self.world.rank == 0:
                     persist([m.smooth], {key: tensors[key]})
@@ -244,14 +255,16 @@ class LayerStep:
                 _fold(module, m, tensors[key], self.source.family)
         return notes
 
-    def _record(self, module, mappings: list, chunks: Chunks, kwargs: Callable[[], dict], seconds: dict) -> dict:
+    def _record(self, module, mappings: list, chunks: Chunks, kwargs: Callable[[], dict], seconds: dict,
+                cache: DeviceCache) -> dict:
         """One calibration forward over this rank's chunks: per mapping, each sample's activation sum in its slot
-        (awq.activation_sum, by the sample's number) with its token count, and per parent, each sample's call."""
+        (awq.activation_sum, by the sample's number) with its token count, and per parent, each sample's call (its
+        own tensors in `cache`; the layer's keyword arguments, the same for every call, stay where they are)."""
         sums = {m.smooth: torch.zeros(self.num_samples, module.get_submodule(m.hook).weight.shape[-1],
                                       device=self.device) for m in mappings}
         record = {"sums": sums, "tokens": dict.fromkeys(sums, 0), "calls": {m.parent: [] for m in mappings},
-                  "samples": {m.parent: [] for m in mappings}}
-        at = [0]
+                  "samples": {m.parent: [] for m in mappings}, "cache": cache}
+        at, shared = [0], [frozenset()]
 
         def activations(name):
             def hook(_, args, output):
@@ -263,7 +276,7 @@ class LayerStep:
             def hook(m, args, kw):
                 bound = inspect.signature(m.forward).bind(*args, **kw).arguments
                 bound |= bound.pop("kwargs", {})
-                record["calls"][parent].append(replayable(m, bound))
+                record["calls"][parent].append(cache.keep(replayable(m, bound), shared[0]))
                 record["samples"][parent].append(at[0])
             return hook
 
@@ -274,24 +287,30 @@ class LayerStep:
             with timed(seconds, "calibrate"), experts_mode(module, self.all_experts):
                 for chunk, x in chunks():
                     for i, sample in enumerate(x.split(1)):
-                        at[0] = self.chunks[chunk][0] + i
-                        module(sample, **kwargs())
+                        at[0], kw = self.chunks[chunk][0] + i, kwargs()
+                        shared[0] = tensor_ids(kw)
+                        module(sample, **kw)
         finally:
             for h in handles:
                 h.remove()
         return record
 
-    def _search(self, layer: int, module, m, record: dict) -> tuple[torch.Tensor, int | None]:
+    def _search(self, layer: int, module, m, record: dict, cache: DeviceCache) -> tuple[torch.Tensor, int | None]:
         """AWQ's scales of mapping `m` (empty where it is skipped) and the grid point chosen: every rank's samples'
         statistics reduced in per-sample slots (exact), the grid's errors on this rank's samples, the search
-        starting from the point the last search chose (rank 0's: every rank must run the same points)."""
+        starting from the point the last search chose (rank 0's: every rank must run the same points). The
+        reference outputs go in `cache`; the recorded calls come back from the record's one at a time."""
         stage, world, prefix = self.stage.stage, self.world, self.prefix(layer)
         parent, calls = module.get_submodule(m.parent), record["calls"][m.parent]
-        reference = awq.outputs(parent, calls)
+        reference, finite, size = [], [], 0
+        for y in awq.outputs(parent, map(record["cache"].use, calls)):
+            finite.append(y.isfinite().all())
+            size += y.numel()
+            reference.append(cache.keep(y))
         ok, tokens, elements, counts, first = zip(*world.gather_objects(
-            (awq.usable(reference), record["tokens"][m.smooth], sum(r.numel() for r in reference), len(calls),
+            (bool(torch.stack(finite).all()) if finite else True, record["tokens"][m.smooth], size, len(calls),
              self._awq_first)))
-        if not all(ok) or not sum(elements):
+        if not all(ok) or not sum(elements):  # the peer skips a mapping whose outputs are not all finite
             return torch.zeros(0), None
         sums = record["sums"][m.smooth]
         _wait(world.all_reduce(sums))
@@ -304,7 +323,8 @@ class LayerStep:
         with awq.Candidates(quantized, points, x_mean, w_mean, args, self.source.family.fused_scales) as held:
             def errors(point: int, at: list[int]) -> torch.Tensor:
                 held.hold(point)
-                return awq.sample_errors([reference[i] for i in at], awq.outputs(parent, [calls[i] for i in at]))
+                got = awq.outputs(parent, (record["cache"].use(calls[i]) for i in at))
+                return torch.cat([awq.sample_errors([cache.use(reference[i])], [y]) for i, y in zip(at, got)])
 
             point = awq.search(errors, record["samples"][m.parent], len(points),
                                awq.rounds(max(counts), sum(elements) // world.size), self.num_samples,
@@ -493,6 +513,15 @@ class LayerStep:
             weights[f"{q}.weight"] = unpacked(tensors, prefix + local + q, self.schemes[prefix + local + q],
                                               expert.get_submodule(q).weight.dtype)
         return weights
+
+
+def _cache_allowance(module, budget: int | None, device) -> float:
+    """The device bytes AWQ may cache in a layer (its calls, then each mapping's reference outputs): half the budget
+    less the layer's own tensors, as the replays' window takes half (inputs.py); the rest is the search's working
+    memory (candidate weights, a round's outputs). On the host, all: copying to the host would gain nothing."""
+    if budget is None or torch.device(device).type == "cpu":
+        return math.inf
+    return max(0, budget // 2 - sum(t.nbytes for t in module.state_dict().values() if not t.is_meta))
 
 
 def _put(module, name: str, tensor: torch.Tensor):

@@ -312,7 +312,7 @@ class Runner:
                 notes.update(more)
         else:
             notes, outputs = step.decide(layer, module, todo, tensors, lambda: self.inputs.each(layer),
-                                         lambda: self.inputs.kwargs(layer), seconds, persist)
+                                         lambda: self.inputs.kwargs(layer), seconds, persist, self.memory)
         step.keep_dense(layer, module, todo, tensors, persist)
         if step.forwards:
             self.propagate(layer, module, tensors, seconds, outputs)

@@ -22,7 +22,7 @@ do not depend on the thread count.
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -186,19 +186,12 @@ def candidate(weights: dict[str, torch.Tensor], s: torch.Tensor, args: dict[str,
 
 
 @torch.no_grad()
-def outputs(parent: torch.nn.Module, calls: list[dict]) -> list[torch.Tensor]:
-    """The parent's output (a tuple's first) for each sample, from the keyword arguments it was called with."""
-    out = []
+def outputs(parent: torch.nn.Module, calls: Iterable[dict]) -> Iterator[torch.Tensor]:
+    """The parent's output (a tuple's first) for each call, from the keyword arguments it was called with, one at
+    a time: the caller holds as many as it keeps."""
     for kwargs in calls:
         y = parent(**kwargs)
-        out.append(y[0] if isinstance(y, tuple) else y)
-    return out
-
-
-def usable(reference: list[torch.Tensor]) -> bool:
-    """Whether a rank's reference outputs allow a search: all finite (the peer skips a mapping otherwise; the loop
-    skips it when any rank says no, or when no rank has a token)."""
-    return all(bool(y.isfinite().all()) for y in reference)
+        yield y[0] if isinstance(y, tuple) else y
 
 
 @one_thread()
