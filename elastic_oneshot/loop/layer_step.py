@@ -40,7 +40,7 @@ from elastic_oneshot.models.source import SourceModel
 from elastic_oneshot.quantization import awq, gptq, rtn, smoothing, sparsegpt
 from elastic_oneshot.quantization.executor import Executor
 from elastic_oneshot.quantization.packing import LayerPacking, unpack_into, unpacked
-from elastic_oneshot.quantization.plan import Group, layer_groups, make_plan
+from elastic_oneshot.quantization.plan import Group, layer_groups, make_plan, memory_batches
 from elastic_oneshot.quantization.recipe import GPTQ, Recipe
 from elastic_oneshot.quantization.schemes import input_qparams, static_inputs
 
@@ -165,7 +165,7 @@ class LayerStep:
         others' taken from `tensors` (an earlier attempt's), which gets every decision; `module` changed as the
         pass leaves it. Returns this rank's notes, and the next layer's inputs where computing the decisions gave
         them (None: propagate). `budget`: the bytes the device may hold (None: unbounded), which bounds what AWQ
-        caches there."""
+        caches there and SparseGPT's Hessians held at once."""
         names = {u.name for u in todo if u.name != DENSE}
         if self.kind == "smoothing":
             return self._smoothing(layer, module, names, tensors, chunks, kwargs, seconds, persist), None
@@ -173,7 +173,7 @@ class LayerStep:
             return self._awq(layer, module, names, tensors, chunks, kwargs, seconds, persist, budget), None
         groups = [g for g in todo if isinstance(g, Group)]
         if self.kind == "sparsegpt":
-            return self._sparsegpt(layer, module, groups, tensors, chunks, kwargs, seconds, persist), None
+            return self._sparsegpt(layer, module, groups, tensors, chunks, kwargs, seconds, persist, budget), None
         return self._rtn(layer, module, groups, tensors, chunks, kwargs, seconds, persist)
 
     def keep_dense(self, layer: int, module, todo: list, tensors: dict, persist: Persist):
@@ -333,7 +333,26 @@ class LayerStep:
         self._awq_first = point
         return awq.scales(x_mean, w_mean, *points[point]), point
 
-    def _sparsegpt(self, layer, module, groups, tensors, chunks, kwargs, seconds, persist) -> dict:
+    def batches(self, layer: int, module, todo: list[Group], budget: int) -> list[list[Group]]:
+        """The groups to solve (GPTQ, SparseGPT), in batches whose Hessians fit beside the layer in `budget` bytes
+        (plan.memory_batches)."""
+        stream = bool(streamed(module))  # its experts are read with their batch
+        batches = memory_batches(todo, budget - sum(t.nbytes for t in module.state_dict().values() if not t.is_meta),
+                                 self.source.dtype.itemsize * stream)
+        if len(batches) > 1 and self.world.rank == 0:
+            log.info("layer %d: %d groups in %d batches%s, to keep within %.1f GB", layer, len(todo), len(batches),
+                     ", each reading its experts" if stream else "", budget / 1e9)
+        return batches
+
+    def _sparsegpt(self, layer, module, groups, tensors, chunks, kwargs, seconds, persist, budget) -> dict:
+        """Each batch of groups (`batches`) calibrated on the layer's weights as loaded, then pruned; the pruned
+        weights put in place once every batch is done, so that no batch's Hessians see another's pruning."""
+        for batch in self.batches(layer, module, groups, budget) if groups and budget is not None else [groups]:
+            self._sparsegpt_batch(layer, module, batch, tensors, chunks, kwargs, seconds, persist)
+        self.apply(module, layer, self.stage, tensors)
+        return {}
+
+    def _sparsegpt_batch(self, layer, module, groups, tensors, chunks, kwargs, seconds, persist):
         stage, prefix = self.stage.stage, self.prefix(layer)
         n, m = stage.n_of_m
         if groups:
@@ -358,8 +377,6 @@ class LayerStep:
             if mine:
                 persist([g.name for g in mine], {f"{prefix}{name}.weight": pruned[name] for g in mine
                                                  for name, _ in g.modules})
-        self.apply(module, layer, self.stage, tensors)
-        return {}
 
     def _rtn(self, layer, module, groups, tensors, chunks, kwargs, seconds, persist) -> tuple[dict, dict | None]:
         """Round to nearest of the groups this rank owns; static input ranges first, from a forward whose outputs

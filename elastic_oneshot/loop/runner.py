@@ -36,9 +36,8 @@ from elastic_oneshot.loop.job import Job
 from elastic_oneshot.loop.layer_step import LayerStep, timed
 from elastic_oneshot.loop.passes import Pass
 from elastic_oneshot.models.content import Content
-from elastic_oneshot.models.moe import streamed
 from elastic_oneshot.models.source import SourceModel
-from elastic_oneshot.quantization.plan import Group, memory_batches
+from elastic_oneshot.quantization.plan import Group
 
 log = logging.getLogger("elastic_oneshot")
 COMMITS_BEHIND = 1  # layers computed but not committed: their files upload while the next layer computes
@@ -305,7 +304,7 @@ class Runner:
         writes, notes, outputs = [], {}, None  # this rank's writes of solved groups in this attempt, and its notes
         persist = self.persist(layer, writes)
         if step.kind == "gptq":
-            for batch in self.batches(layer, module, [g for g in todo if isinstance(g, Group)]):
+            for batch in step.batches(layer, module, [g for g in todo if isinstance(g, Group)], self.memory):
                 solved, more = step.compress(layer, module, batch, lambda: (x for _, x in self.inputs.each(layer)),
                                              self.inputs.kwargs(layer), seconds, persist)
                 tensors.update(solved)
@@ -346,16 +345,6 @@ class Runner:
         """Once the pass is done: let go of what it holds for its next layer (its inputs, the embedding table)."""
         self.inputs.keep(None, {})
         self.inputs.embedder.release()
-
-    def batches(self, layer: int, module, todo: list[Group]) -> list[list[Group]]:
-        """The groups to solve, in batches whose working set fits beside the layer (plan.memory_batches)."""
-        stream = bool(streamed(module))  # its experts are read with their batch
-        batches = memory_batches(todo, self.memory - sum(t.nbytes for t in module.state_dict().values()
-                                                         if not t.is_meta), self.source.dtype.itemsize * stream)
-        if len(batches) > 1 and self.rank == 0:
-            log.info("layer %d: %d groups in %d batches%s, to keep within %.1f GB", layer, len(todo), len(batches),
-                     ", each reading its experts" if stream else "", self.memory / 1e9)
-        return batches
 
     def persist(self, layer: int, writes: list) -> Callable[[list[str], dict], None]:
         """Sub-layer progress: this rank's owned groups go to storage as soon as they are solved (by the I/O thread,
