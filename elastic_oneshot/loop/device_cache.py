@@ -4,6 +4,7 @@ cache grows with the samples (on a GPU, every sample's inputs of every mapping's
 (`--max-memory`) bounds it; the copies are exact, so where a tensor is held changes no bits, only time."""
 
 import torch
+from torch.utils._pytree import tree_leaves, tree_map
 
 
 class DeviceCache:
@@ -16,31 +17,23 @@ class DeviceCache:
     def keep(self, obj, shared: frozenset = frozenset()):
         """`obj` (tensors nested in tuples, lists, dicts), each tensor on the device while the allowance lasts and
         on the host past it; tensors whose id is in `shared` (held anyway: a layer's keyword arguments) as they are."""
-        if isinstance(obj, torch.Tensor):
-            if id(obj) in shared:
-                return obj
-            nbytes = obj.numel() * obj.element_size()
-            if nbytes <= self.left:
-                self.left -= nbytes
-                return obj
-            self.spilled += nbytes
-            host = torch.empty_like(obj, device="cpu", pin_memory=self.device.type == "cuda")
-            return _Spilled(host.copy_(obj, non_blocking=host.is_pinned()))  # in stream order before any copy back
-        if isinstance(obj, (tuple, list)):
-            return type(obj)(self.keep(o, shared) for o in obj)
-        if isinstance(obj, dict):
-            return {k: self.keep(v, shared) for k, v in obj.items()}
-        return obj
+        return tree_map(lambda t: self._keep(t, shared) if isinstance(t, torch.Tensor) else t, obj)
+
+    def _keep(self, t: torch.Tensor, shared: frozenset):
+        if id(t) in shared:
+            return t
+        nbytes = t.numel() * t.element_size()
+        if nbytes <= self.left:
+            self.left -= nbytes
+            return t
+        self.spilled += nbytes
+        host = torch.empty_like(t, device="cpu", pin_memory=self.device.type == "cuda")
+        return _Spilled(host.copy_(t, non_blocking=host.is_pinned()))  # in stream order before any copy back
 
     def use(self, obj):
         """`obj` with the host copies `keep` made back on the device (the others as they are)."""
-        if isinstance(obj, _Spilled):
-            return obj.host.to(self.device, non_blocking=obj.host.is_pinned())
-        if isinstance(obj, (tuple, list)):
-            return type(obj)(self.use(o) for o in obj)
-        if isinstance(obj, dict):
-            return {k: self.use(v) for k, v in obj.items()}
-        return obj
+        return tree_map(lambda x: x.host.to(self.device, non_blocking=x.host.is_pinned())
+                        if isinstance(x, _Spilled) else x, obj)
 
 
 class _Spilled:
@@ -52,10 +45,4 @@ class _Spilled:
 
 def tensor_ids(obj) -> frozenset:
     """The ids of the tensors nested in `obj`."""
-    if isinstance(obj, torch.Tensor):
-        return frozenset([id(obj)])
-    if isinstance(obj, (tuple, list)):
-        return frozenset().union(*(tensor_ids(o) for o in obj))
-    if isinstance(obj, dict):
-        return tensor_ids(list(obj.values()))
-    return frozenset()
+    return frozenset(id(t) for t in tree_leaves(obj) if isinstance(t, torch.Tensor))

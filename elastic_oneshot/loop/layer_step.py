@@ -337,8 +337,7 @@ class LayerStep:
         """The groups to solve (GPTQ, SparseGPT), in batches whose Hessians fit beside the layer in `budget` bytes
         (plan.memory_batches)."""
         stream = bool(streamed(module))  # its experts are read with their batch
-        batches = memory_batches(todo, budget - sum(t.nbytes for t in module.state_dict().values() if not t.is_meta),
-                                 self.source.dtype.itemsize * stream)
+        batches = memory_batches(todo, budget - _held_bytes(module), self.source.dtype.itemsize * stream)
         if len(batches) > 1 and self.world.rank == 0:
             log.info("layer %d: %d groups in %d batches%s, to keep within %.1f GB", layer, len(todo), len(batches),
                      ", each reading its experts" if stream else "", budget / 1e9)
@@ -538,7 +537,12 @@ def _cache_allowance(module, budget: int | None, device) -> float:
     memory (candidate weights, a round's outputs). On the host, all: copying to the host would gain nothing."""
     if budget is None or torch.device(device).type == "cpu":
         return math.inf
-    return max(0, budget // 2 - sum(t.nbytes for t in module.state_dict().values() if not t.is_meta))
+    return max(0, budget // 2 - _held_bytes(module))
+
+
+def _held_bytes(module) -> int:
+    """The bytes of a layer's tensors that are held (a streamed layer's experts on the meta device are not)."""
+    return sum(t.nbytes for t in module.state_dict().values() if not t.is_meta)
 
 
 def _put(module, name: str, tensor: torch.Tensor):
