@@ -164,6 +164,22 @@ def test_a_data_free_quantization_modifier_reads_no_data_and_runs_no_forward(tin
     assert weights[0] == weights[1]
 
 
+def test_a_data_free_quantization_modifier_calls_no_decoder_layer(tiny_llama, tmp_path, monkeypatch):
+    """Not even the trial of layer 0 before any work (inputs.LayerInputs.tried): the data-free pass only reads the
+    weights and writes its result, so a model whose layers cannot run is compressed all the same."""
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("a decoder layer ran")
+
+    monkeypatch.setattr(LlamaDecoderLayer, "forward", refuse)
+    out = oneshot(model=tiny_llama, recipe=QuantizationModifier(scheme="FP8_DYNAMIC", targets="Linear",
+                                                                ignore=["lm_head"]),
+                  output_dir=str(tmp_path / "out"), **API_JOB)
+    assert os.path.exists(os.path.join(out, "model.safetensors"))
+
+
 @pytest.mark.slow
 def test_unsupported_modifiers_are_refused_by_name_before_any_work(tiny_llama, tmp_path):
     from llmcompressor.modifiers.gptq import GPTQModifier

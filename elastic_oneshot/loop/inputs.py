@@ -61,7 +61,10 @@ class LayerInputs:
     def tried(cls, state: StateStore, step: LayerStep, *args) -> "LayerInputs":
         """LayerInputs(state, step, *args) once layer 0 has run on one sample of zeros, called as the run calls it
         (which also caches its keyword arguments). Whatever fails there (a decoder the layer loop cannot drive) is
-        the one-line refusal that names the model type and the failing call, before any work."""
+        the one-line refusal that names the model type and the failing call, before any work. A pass that runs no
+        layer (round to nearest without static input activations) tries none: that costs more than its whole work."""
+        if not step.forwards:
+            return cls(state, step, *args)
         try:
             inputs = cls(state, step, *args)
             with torch.inference_mode():
