@@ -57,19 +57,25 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("elastic_oneshot")
 FORMAT = 3  # 2: boundaries behind the commits, xxh3-128 file digests; 3: epoch tags, the model's content in commits
+DIGEST_SLICE = 256 << 10
 _AHEAD: dict[str, dict[str, Future]] = {}  # root -> path -> its bytes being read ahead, for any StateStore of root
 
 
-def digest(data: bytes) -> str:
-    """The digest of a file's bytes, as its record keeps it."""
-    return xxhash.xxh3_128_hexdigest(data)
+def digest(data: bytes | memoryview) -> str:
+    """The digest of a file's bytes, as its record keeps it: hashed a slice at a time, since xxhash holds the GIL
+    while it hashes, which would stall the thread that solves for as long as a whole file takes."""
+    h, view = xxhash.xxh3_128(), memoryview(data)
+    for start in range(0, len(view), DIGEST_SLICE):
+        h.update(view[start:start + DIGEST_SLICE])
+    return h.hexdigest()
 
 
-def save_tensors(tensors: dict[str, torch.Tensor]) -> bytes:
-    """A safetensors file's bytes. Torch is imported on first use: a restart reads ahead before it (read_ahead.py)."""
-    from safetensors.torch import save
+def save_tensors(tensors: dict[str, torch.Tensor]) -> memoryview:
+    """A safetensors file's bytes (tensor_bytes.py: without holding the GIL while copying). Torch is imported on
+    first use: a restart reads ahead before it (read_ahead.py)."""
+    from elastic_oneshot.durability import tensor_bytes
 
-    return save({k: v.contiguous() for k, v in tensors.items()})
+    return tensor_bytes.save(tensors)
 
 
 def load_tensors(data: bytes) -> dict[str, torch.Tensor]:

@@ -1,0 +1,38 @@
+"""A safetensors file's bytes, the same bytes as `safetensors.torch.save` gives, copied by torch.
+
+Commits and boundaries are serialized on I/O threads while the main thread solves the next layer. safetensors'
+writer holds the GIL for the whole copy, so every torch call of the solver (each releases and retakes the GIL) waits
+for it: a data-free pass spent more time waiting than computing. Here the tensors' bytes are copied by `Tensor.copy_`,
+which releases the GIL, into one uninitialized buffer (a bytearray would be zeroed first, holding the GIL), which is
+written as it is (no copy into a `bytes` after it).
+"""
+
+import json
+import struct
+
+import torch
+from safetensors.torch import _TYPES
+
+_NAMES = {dtype: name for name, dtype in _TYPES.items()}  # safetensors' own dtype names
+# The order of safetensors' Dtype, by which its writer lays out the tensors (the largest first, then by name).
+_ORDER = ("BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E4M3FNUZ", "F8_E5M2FNUZ", "I16", "U16", "F16", "BF16", "I32",
+          "U32", "F32", "C64", "F64", "I64", "U64")
+
+
+def save(tensors: dict[str, torch.Tensor]) -> memoryview:
+    """`safetensors.torch.save(tensors)`'s bytes (no metadata), in a buffer of their own."""
+    entries = sorted(tensors.items(), key=lambda item: (-_ORDER.index(_NAMES[item[1].dtype]), item[0]))
+    header, end = {}, 0
+    for name, t in entries:
+        header[name] = {"dtype": _NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [end, end + t.nbytes]}
+        end += t.nbytes
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors pads it
+    out = torch.empty(8 + len(text) + end, dtype=torch.uint8)
+    out[:8 + len(text)] = torch.frombuffer(bytearray(struct.pack("<Q", len(text)) + text), dtype=torch.uint8)
+    data = out[8 + len(text):]
+    for name, t in entries:
+        start, stop = header[name]["data_offsets"]
+        if stop > start:
+            data[start:stop].copy_(t.detach().reshape(-1).view(torch.uint8))
+    return memoryview(out.numpy())
