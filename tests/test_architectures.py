@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 import elastic_oneshot.surface.export as export_module
 from elastic_oneshot import oneshot
 from elastic_oneshot.errors import UsageError
+from elastic_oneshot.models import loadable
 from elastic_oneshot.models.family import Family
 from elastic_oneshot.models.loadable import load_keys
 from elastic_oneshot.models.source import SourceModel
@@ -178,6 +179,21 @@ def test_guard_refuses_a_model_transformers_cannot_initialize(tmp_path, monkeypa
         oneshot(model=model, num_calibration_samples=8, max_seq_length=32, group_size=32,
                 output_dir=str(tmp_path / "out"))
     assert not os.path.exists(tmp_path / "out") and not os.path.exists(tmp_path / "out.state")
+
+
+def test_the_guard_builds_the_loader_model_once_per_config(tmp_path, monkeypatch):
+    """The check before any work and the export's guard share one build of transformers' model for the same config
+    bytes, each getting a copy of its own (the checks mark what they find initialized); another config builds
+    again."""
+    model = make_tiny(str(tmp_path / "llama"), "llama")
+    built, build = [], loadable._build_loader_model
+    monkeypatch.setattr(loadable, "_build_loader_model", lambda *a: built.append(a) or build(*a))
+    first, second = loadable._loader_model(model, False)[0], loadable._loader_model(model, False)[0]
+    assert len(built) == 1 and first is not second
+    assert first.state_dict().keys() == second.state_dict().keys()
+    config = json.loads((tmp_path / "llama" / "config.json").read_text())
+    (tmp_path / "llama" / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1}))
+    assert len(loadable._loader_model(model, False)[0].model.layers) == 1 and len(built) == 2
 
 
 def test_load_keys_agrees_with_transformers(tmp_path):

@@ -12,6 +12,7 @@ log and in the checkpoint's README.md (tests/test_architectures.py loads every t
 """
 
 import contextlib
+import copy
 import functools
 import io
 import json
@@ -81,7 +82,26 @@ def load_keys(directory: str, names: set[str], trust_remote_code: bool = False) 
 
 def _loader_model(directory: str, trust_remote_code: bool):
     """The model that transformers' loader builds for the checkpoint in `directory`, on the meta device, with its
-    quantizer (which has applied the checkpoint's quantization to it)."""
+    quantizer (which has applied the checkpoint's quantization to it). A copy of the one built last where the
+    checkpoint's config and code are the same bytes: the check before any work and the export's guard build the
+    same model, which costs more than a data-free pass's layers on a small model."""
+    key = (trust_remote_code, *((fname, _bytes(os.path.join(directory, fname))) for fname in
+                                sorted(os.listdir(directory)) if fname == "config.json" or fname.endswith(".py")))
+    if _BUILT.get("key") != key:
+        _BUILT.clear()
+        _BUILT.update(key=key, built=_build_loader_model(directory, trust_remote_code))
+    return copy.deepcopy(_BUILT["built"])  # the checks mark the model's tensors and modules initialized
+
+
+_BUILT: dict = {}  # the last loader model built: its key, (model, quantizer)
+
+
+def _bytes(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _build_loader_model(directory: str, trust_remote_code: bool):
     config = transformers.AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
     quantizer, config, _ = get_hf_quantizer(config, None, None, True, {})
     with torch.device("meta"), contextlib.redirect_stderr(io.StringIO()):  # compressed-tensors' progress bars
