@@ -2,14 +2,16 @@
 
 Commits and boundaries are serialized on I/O threads while the main thread solves the next layer. safetensors'
 writer holds the GIL for the whole copy, so every torch call of the solver (each releases and retakes the GIL) waits
-for it: a data-free pass spent more time waiting than computing. Here the tensors' bytes are copied by `Tensor.copy_`,
-which releases the GIL, into one uninitialized buffer (a bytearray would be zeroed first, holding the GIL), which is
-written as it is (no copy into a `bytes` after it).
+for it: a data-free pass spent more time waiting than computing. Here the tensors' bytes are copied by numpy, which
+releases the GIL and copies on this thread alone (torch's copy_ would take the solver's intra-op threads), into one
+uninitialized buffer (a bytearray would be zeroed first, holding the GIL), which is written as it is (no copy into a
+`bytes` after it).
 """
 
 import json
 import struct
 
+import numpy
 import torch
 from safetensors.torch import _TYPES
 
@@ -28,11 +30,11 @@ def save(tensors: dict[str, torch.Tensor]) -> memoryview:
         end += t.nbytes
     text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
     text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors pads it
-    out = torch.empty(8 + len(text) + end, dtype=torch.uint8)
-    out[:8 + len(text)] = torch.frombuffer(bytearray(struct.pack("<Q", len(text)) + text), dtype=torch.uint8)
+    out = numpy.empty(8 + len(text) + end, dtype=numpy.uint8)
+    out[:8 + len(text)] = numpy.frombuffer(struct.pack("<Q", len(text)) + text, dtype=numpy.uint8)
     data = out[8 + len(text):]
     for name, t in entries:
         start, stop = header[name]["data_offsets"]
         if stop > start:
-            data[start:stop].copy_(t.detach().reshape(-1).view(torch.uint8))
-    return memoryview(out.numpy())
+            numpy.copyto(data[start:stop], t.detach().cpu().reshape(-1).view(torch.uint8).numpy())
+    return memoryview(out)
