@@ -3,6 +3,7 @@ and peak RSS of each side's process, from its start to its saved checkpoint, and
 
     python bench/recipes.py                                   # every recipe, SmolLM2-135M, 128 x 512 tokens
     python bench/recipes.py --recipe awq_w4a16_asym --samples 16
+    python bench/recipes.py --recipe fp8_dynamic --synthetic   # a 2.3 GB bf16 Llama: the data-free row's bytes
 
 The recipes are elastic_oneshot/testing/recipes.py's (the parity tests'), with groups of 64 for the W4A16 ones
 (SmolLM2's 576 columns); ours runs them from their YAML in one process, the peer from the same YAML's modifier
@@ -35,9 +36,41 @@ def copy_model(model: str, out: str):
         save_file(load_file(os.path.join(model, name)), os.path.join(out, name))
 
 
+def synthetic_llama(path: str) -> str:
+    """A random bf16 Llama of 1.1 G parameters (16 layers of 2048 x 8192), 2.3 GB in two shards, built once at
+    `path`: large enough that reading and writing it outweighs the interpreter's imports. No tokenizer: the data-free
+    recipe reads no data."""
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+
+    config = transformers.LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                                      num_attention_heads=16, num_key_value_heads=8, vocab_size=32000,
+                                      tie_word_embeddings=False, dtype="bfloat16")
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in transformers.LlamaForCausalLM(config).state_dict().items()}
+    g = torch.Generator().manual_seed(0)
+    tensors = {k: torch.ones(s, dtype=torch.bfloat16) if k.endswith("norm.weight") else
+               (torch.randn(s, generator=g) * 0.02).to(torch.bfloat16) for k, s in sorted(shapes.items())}
+    names = sorted(tensors)
+    os.makedirs(path, exist_ok=True)
+    weight_map = {}
+    for i, part in enumerate((names[:len(names) // 2], names[len(names) // 2:])):
+        fname = f"model-{i + 1:05d}-of-00002.safetensors"
+        save_file({k: tensors[k] for k in part}, os.path.join(path, fname), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, fname))
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map}, f)
+    config.save_pretrained(path)
+    return path
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model", help="default: the embedded SmolLM2-135M")
+    p.add_argument("--synthetic", action="store_true", help="the model: synthetic_llama's, built in the workdir")
     p.add_argument("--recipe", action="append", choices=list(RECIPES), help="repeatable; default: every recipe")
     p.add_argument("--samples", type=int, default=128)
     p.add_argument("--seq-len", type=int, default=512)
@@ -55,9 +88,9 @@ def main():
 
     from elastic_oneshot.models.default_model import default_model
 
-    model = a.model or default_model()
-    names = a.recipe or list(RECIPES)
     os.makedirs(a.workdir, exist_ok=True)
+    model = synthetic_llama(os.path.join(a.workdir, "synthetic-llama")) if a.synthetic else a.model or default_model()
+    names = a.recipe or list(RECIPES)
     print(f"model {model}\n{a.samples} samples x {a.seq_len} tokens, {os.cpu_count()} cores", flush=True)
     rows = {"read + write": measure([sys.executable, __file__, "--copy-child", model, _fresh(a.workdir, "copy")],
                                     os.path.join(a.workdir, "copy.log"))}
