@@ -57,7 +57,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("elastic_oneshot")
 FORMAT = 3  # 2: boundaries behind the commits, xxh3-128 file digests; 3: epoch tags, the model's content in commits
-DIGEST_SLICE = 256 << 10
+DIGEST_SLICE = 256 << 10  # bytes hashed per xxhash call (digest)
 _AHEAD: dict[str, dict[str, Future]] = {}  # root -> path -> its bytes being read ahead, for any StateStore of root
 
 

@@ -1,4 +1,4 @@
-"""A safetensors file's bytes, the same bytes as `safetensors.torch.save` gives, copied by torch.
+"""A safetensors file's bytes, the same bytes as `safetensors.torch.save` gives, copied by numpy.
 
 Commits and boundaries are serialized on I/O threads while the main thread solves the next layer. safetensors'
 writer holds the GIL for the whole copy, so every torch call of the solver (each releases and retakes the GIL) waits
