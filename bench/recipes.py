@@ -3,7 +3,7 @@ and peak RSS of each side's process, from its start to its saved checkpoint, and
 
     python bench/recipes.py                                   # every recipe, SmolLM2-135M, 128 x 512 tokens
     python bench/recipes.py --recipe awq_w4a16_asym --samples 16
-    python bench/recipes.py --recipe fp8_dynamic --synthetic   # a 2.3 GB bf16 Llama: the data-free row's bytes
+    python bench/recipes.py --recipe fp8_dynamic --synthetic   # a 2.5 GB bf16 Llama: the data-free row's bytes
 
 The recipes are elastic_oneshot/testing/recipes.py's (the parity tests'), with groups of 64 for the W4A16 ones
 (SmolLM2's 576 columns); ours runs them from their YAML in one process, the peer from the same YAML's modifier
@@ -37,17 +37,20 @@ def copy_model(model: str, out: str):
 
 
 def synthetic_llama(path: str) -> str:
-    """A random bf16 Llama of 1.1 G parameters (16 layers of 2048 x 8192), 2.3 GB in two shards, built once at
-    `path`: large enough that reading and writing it outweighs the interpreter's imports. No tokenizer: the data-free
-    recipe reads no data."""
+    """A random bf16 Llama of 1.2 G parameters (16 layers of 2048 x 8192), 2.5 GB in two shards, built once at
+    `path` with SmolLM2's tokenizer (the peer loads one even where it reads no data): large enough that reading and
+    writing it outweighs the interpreter's imports."""
     if os.path.exists(os.path.join(path, "config.json")):
         return path
     import torch
     import transformers
     from safetensors.torch import save_file
 
+    from elastic_oneshot.models.default_model import default_model
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(default_model())
     config = transformers.LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                                      num_attention_heads=16, num_key_value_heads=8, vocab_size=32000,
+                                      num_attention_heads=16, num_key_value_heads=8, vocab_size=len(tokenizer),
                                       tie_word_embeddings=False, dtype="bfloat16")
     with torch.device("meta"):
         shapes = {k: v.shape for k, v in transformers.LlamaForCausalLM(config).state_dict().items()}
@@ -64,6 +67,7 @@ def synthetic_llama(path: str) -> str:
     with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map}, f)
     config.save_pretrained(path)
+    tokenizer.save_pretrained(path)
     return path
 
 

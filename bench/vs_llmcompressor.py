@@ -21,7 +21,9 @@ from elastic_oneshot.testing.peer import run_peer  # llmcompressor on our tokens
 
 
 def measure(cmd: list[str], log: str) -> tuple[float, float]:
-    """Run `cmd`; return (wall seconds, peak RSS in GB) of that process."""
+    """Run `cmd`; return (wall seconds, peak RSS in GB) of that process. The writes of whatever ran before are
+    flushed first (not timed): the kernel writing them back would slow this process's own writes and fsyncs."""
+    os.sync()
     t = time.perf_counter()
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
