@@ -1,12 +1,17 @@
-"""loop/device_cache.py: what AWQ caches on the device for a layer stays within the run's budget, and where a tensor
-is held changes no bits."""
+"""loop/device_cache.py: what AWQ caches on the device for a layer stays within the run's budget, then within the
+host's, then goes to a file; where a tensor is held changes no bits. A record that would not fit even on the disk is
+refused after its first sample."""
 
+import errno
 import logging
+import math
+import os
 
 import pytest
 import torch
 
 from elastic_oneshot.distributed.world import World
+from elastic_oneshot.errors import UsageError
 from elastic_oneshot.loop import layer_step
 from elastic_oneshot.loop.device_cache import DeviceCache, tensor_ids
 from elastic_oneshot.loop.passes import plan
@@ -34,11 +39,32 @@ def test_the_cache_holds_up_to_its_allowance_and_brings_back_exact_copies():
     assert cache.use(kept[0])["x"] is calls[0]["x"]  # held: not copied
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
-def test_awq_chooses_the_same_scales_with_its_calls_on_the_host(family, tiny_llama, tmp_path, monkeypatch, caplog):
-    """AWQ's layer step on layer 0, its recorded calls and reference outputs all kept in the cache or all copied out
-    of it (as a GPU over its budget would): the same errors at every grid point computed, the same scales, bit for
-    bit, and the same weights after the folds."""
+def test_past_the_host_allowance_the_cache_writes_a_file_and_reads_back_exact_copies(tmp_path, monkeypatch):
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    torch.manual_seed(0)
+    calls = [{"x": torch.randn(256, dtype=dtype), "n": torch.tensor(i)} for i, dtype in
+             enumerate([torch.float32, torch.bfloat16, torch.float16, torch.float32, torch.bfloat16])]
+    cache = DeviceCache("cpu", 256 * 4 + 8, host_allowance=256 * 2 + 8)  # the first call held, the second copied
+    kept = [cache.keep(c) for c in calls]
+    assert [type(k["x"]).__name__ for k in kept] == ["Tensor", "_Spilled", "_OnDisk", "_OnDisk", "_OnDisk"]
+    assert cache.on_host == 256 * 2 + 8 and cache.on_disk == 256 * (2 + 4 + 2) + 3 * 8 and cache.kept == sum(
+        t.nbytes for c in calls for t in c.values())
+    assert os.listdir(tmp_path) == []  # the file is unlinked: nothing is left behind by a kill
+    for call, k in reversed(list(zip(calls, kept))):  # read back in any order
+        back = cache.use(k)
+        assert back["x"].dtype == call["x"].dtype and torch.equal(back["x"], call["x"])
+        assert back["n"].shape == () and torch.equal(back["n"], call["n"])
+    rest = cache.rest()
+    assert (rest.left, rest.host_left) == (cache.left, cache.host_left) == (0, 0)
+    monkeypatch.setattr(os, "pwrite", lambda *a: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left")))
+    with pytest.raises(OSError) as full:
+        rest.keep(calls[0])
+    assert (full.value.errno, full.value.filename) == (errno.ENOSPC, str(tmp_path))  # the file has no name of its own
+
+
+def awq_layer(family: str, tiny_llama, tmp_path):
+    """AWQ's pass over layer 0 of a tiny `family` model: the source, its step's inputs, and `decide` (the tensors
+    the step decided and the layer's weights after it)."""
     path = tiny_llama if family == "llama" else make_moe(str(tmp_path / "moe"))
     source = SourceModel(path)
     recipe = read_recipe(recipe_yaml("awq_w4a16_asym", moe=family != "llama", group=16)).with_default_mappings(
@@ -50,26 +76,61 @@ def test_awq_chooses_the_same_scales_with_its_calls_on_the_host(family, tiny_lla
     x = torch.randn(samples, seq_len, source.config.hidden_size, dtype=source.dtype)
     kwargs = Embedder(source).layer_kwargs(0, 1, seq_len)
 
-    errors, sample_errors = [], awq.sample_errors
-    monkeypatch.setattr(awq, "sample_errors", lambda *a: errors.append(sample_errors(*a)) or errors[-1])
-
-    def decide() -> tuple[dict, dict, list]:
+    def decide() -> tuple[dict, dict]:
         step = layer_step.LayerStep(source, schemes, recipe, World(), "cpu", seq_len, samples, False, passes, 0,
                                     [(0, 3), (3, 6)])
         module, units = step.load(0, None, {})
         tensors = {}
         step.decide(0, module, units, tensors, lambda: [(0, x[:3]), (1, x[3:])], lambda: kwargs, {},
                     lambda names, found: None, budget=2**30)
-        found = torch.cat(errors)
-        errors.clear()
-        return tensors, module.state_dict(), found
+        return tensors, module.state_dict()
+    return decide
 
-    held, weights, held_errors = decide()
-    monkeypatch.setattr(layer_step, "_cache_allowance", lambda module, budget, device: 0)
+
+@pytest.mark.parametrize("family, tiers", [("llama", (0, math.inf)), ("qwen3_moe", (0, math.inf)),
+                                           ("llama", (0, 0))])
+def test_awq_chooses_the_same_scales_with_its_calls_out_of_the_device(family, tiers, tiny_llama, tmp_path,
+                                                                       monkeypatch, caplog):
+    """AWQ's layer step on layer 0, its recorded calls and reference outputs all kept in the cache, or all copied
+    out of it to the host (as a GPU over its budget would), or all to a file (past the host's): the same errors at
+    every grid point computed, the same scales, bit for bit, and the same weights after the folds."""
+    decide = awq_layer(family, tiny_llama, tmp_path)
+    errors, sample_errors = [], awq.sample_errors
+    monkeypatch.setattr(awq, "sample_errors", lambda *a: errors.append(sample_errors(*a)) or errors[-1])
+    held, weights = decide()
+    held_errors = torch.cat(errors)
+    errors.clear()
+    monkeypatch.setattr(layer_step, "_cache_allowances", lambda module, budget, device: tiers)
+    written, write = [], DeviceCache._write
+    monkeypatch.setattr(DeviceCache, "_write", lambda self, t: written.append(t.nbytes) or write(self, t))
     with caplog.at_level(logging.INFO, logger="elastic_oneshot"):
-        spilled, spilled_weights, spilled_errors = decide()
-    assert "of its recorded calls on the host" in caplog.text
+        spilled, spilled_weights = decide()
+    spilled_errors = torch.cat(errors)
+    assert bool(written) == (tiers[1] == 0)
+    assert "of its recorded calls in host memory and" in caplog.text
     assert held.keys() == spilled.keys() and any(t.numel() for t in held.values())
     assert torch.equal(held_errors, spilled_errors)  # each grid point's error of each sample: a copy is exact
     assert all(torch.equal(held[k], spilled[k]) for k in held)
     assert all(torch.equal(weights[k], spilled_weights[k]) for k in weights)
+
+
+def test_awq_refuses_a_record_that_memory_and_the_disk_cannot_hold_after_its_first_sample(tiny_llama, tmp_path,
+                                                                                         monkeypatch):
+    """Every sample's calls have the same shapes: once the first is recorded, a record that would outgrow what the
+    cache may hold and the temporary directory's free space is refused, before the other samples are run."""
+    decide = awq_layer("llama", tiny_llama, tmp_path)
+    monkeypatch.setattr(layer_step, "_cache_allowances", lambda module, budget, device: (0, 0))
+    kept, keep = [], DeviceCache.keep
+    monkeypatch.setattr(DeviceCache, "keep", lambda self, obj, shared=frozenset(): kept.append(1) or
+                        keep(self, obj, shared))
+    recorded, search = [], layer_step.LayerStep._search
+    monkeypatch.setattr(layer_step.LayerStep, "_search", lambda self, *a: recorded.append(len(kept)) or
+                        search(self, *a))
+    decide()
+    kept.clear()
+    monkeypatch.setattr(layer_step.shutil, "disk_usage", lambda path: type("usage", (), {"free": 1000}))
+    with pytest.raises(UsageError, match=r"^layer 0: AWQ's record of its calls on rank 0 would take .* GB \(6 "
+                                         r"samples of .* GB\), more than the .* GB of memory and the .* GB of disk "
+                                         r"in .*: run on more ranks"):
+        decide()
+    assert len(kept) == recorded[0] // 6  # the first sample's calls (one per parent), then the refusal

@@ -93,3 +93,40 @@ def test_a_bfloat16_awq_writes_the_same_bits_at_two_ranks(tmp_path):
     for size in (1, 2):
         run_at(size, "--model", model, "--recipe", tmp_path / "recipe.yaml", "--output", tmp_path / f"w{size}", *JOB)
     assert_same_bits(tmp_path / "w2", tmp_path / "w1")
+
+
+@pytest.mark.slow
+def test_awq_past_its_memory_records_to_a_file_and_writes_the_same_bits(model, reference, tmp_path):
+    """AWQ's recorded calls past --max-memory (on the CPU, the host's memory is the device's) go to a file in
+    $TMPDIR, unlinked, and come back exact: the bytes of the run that held them all."""
+    (tmp_path / "recipe.yaml").write_text(recipe_yaml("awq_w4a16_asym"))
+    spill = tmp_path / "tmp"
+    spill.mkdir()
+    proc = run_cli("run", "--model", model, "--recipe", tmp_path / "recipe.yaml", "--output", tmp_path / "out", *JOB,
+                   "--max-memory", "1MB", env=one_thread_env() | {"TMPDIR": str(spill)})
+    assert f"GB in a file in {spill}, past the memory it may use" in proc.stderr
+    assert os.listdir(spill) == []
+    assert_same_bits(tmp_path / "out", reference("awq_w4a16_asym"))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a small tmpfs")
+def test_awq_refuses_a_record_that_would_not_fit_before_it_is_spent(model, tmp_path):
+    """With TMPDIR on a disk of 1 MiB and --max-memory of 1 MB, layer 0's record (24 samples of about 0.3 MB) cannot
+    fit: the run ends with the one line that says so and what to do (exit 2) after its first sample, and commits
+    nothing of AWQ's pass."""
+    (tmp_path / "recipe.yaml").write_text(recipe_yaml("awq_w4a16_asym"))
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", small], check=True)
+    try:
+        proc = run_cli("run", "--model", model, "--recipe", tmp_path / "recipe.yaml", "--output", tmp_path / "out",
+                       "--state", tmp_path / "state", *JOB, "--max-memory", "1MB", check=False,
+                       env=one_thread_env() | {"TMPDIR": str(small)})
+    finally:
+        subprocess.run(["umount", small], check=True)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("elastic-oneshot: error: layer 0: AWQ's record of its calls on rank 0 would take ") and \
+        f"GB of disk in {small} it may use: run on more ranks" in line, line
+    assert not list((tmp_path / "state").rglob("commits/*.json"))

@@ -127,7 +127,7 @@ class World:
         local rank loads the same layer at once), and on a GPU the device's free memory."""
         local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         out = [(f"rank {self.rank}'s host" + (f" (its share: {local} ranks load a layer there)" if local > 1 else ""),
-                _host_available() // local)]
+                host_share())]
         if self.device.type == "cuda":
             out.append((f"rank {self.rank}'s {torch.cuda.get_device_name(self.device)}", self.free_memory()))
         return out
@@ -180,6 +180,12 @@ class World:
             dist.barrier()
             self._watchdog.stop()
             dist.destroy_process_group()
+
+
+def host_share() -> int:
+    """This rank's share of the host's available memory now: every local rank (torchrun's LOCAL_WORLD_SIZE) works
+    on the same layer at once."""
+    return _host_available() // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
 
 
 def _host_available() -> int:

@@ -26,13 +26,17 @@ import functools
 import inspect
 import logging
 import math
+import shutil
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
-from elastic_oneshot.distributed.world import World
+from elastic_oneshot.distributed.world import World, host_share
+from elastic_oneshot.errors import UsageError
 from elastic_oneshot.loop.calibration import Calibration
+from elastic_oneshot.loop.data import partition
 from elastic_oneshot.loop.device_cache import DeviceCache, tensor_ids
 from elastic_oneshot.loop.passes import DENSE, SCALES, Pass, Unit, dense
 from elastic_oneshot.models.moe import experts_mode, has_experts, replayable, streamed
@@ -235,17 +239,18 @@ class LayerStep:
     def _awq(self, layer, module, names, tensors, chunks, kwargs, seconds, persist, budget) -> dict:
         prefix, notes = self.prefix(layer), {}
         mappings = self.stage.mappings[layer]
-        cache = DeviceCache(self.device, _cache_allowance(module, budget, self.device))
-        record = self._record(module, [m for m in mappings if m.smooth in names], chunks, kwargs, seconds, cache) \
-            if names else None
+        cache = DeviceCache(self.device, *_cache_allowances(module, budget, self.device))
+        record = self._record(layer, module, [m for m in mappings if m.smooth in names], chunks, kwargs, seconds,
+                              cache) if names else None
         if cache.spilled:
-            log.info("layer %d: rank %d's AWQ keeps %.2f GB of its recorded calls on the host, to keep within %.1f GB "
-                     "of device memory", layer, self.world.rank, cache.spilled / 1e9, budget / 1e9)
+            log.info("layer %d: rank %d's AWQ keeps %.2f GB of its recorded calls in host memory and %.2f GB in a file "
+                     "in %s, past the memory it may use", layer, self.world.rank, cache.on_host / 1e9,
+                     cache.on_disk / 1e9, tempfile.gettempdir())
         for i, m in enumerate(mappings):  # in order: each mapping's search sees the layer as the earlier left it
             key = f"{prefix}{m.smooth}.{SCALES}"
             if m.smooth in names:
                 with timed(seconds, "solve"), experts_mode(module, self.all_experts):
-                    tensors[key], point = self._search(layer, module, m, record, DeviceCache(self.device, cache.left))
+                    tensors[key], point = self._search(layer, module, m, record, cache.rest())
                 if m.parent not in {later.parent for later in mappings[i + 1:]}:
                     del record["calls"][m.parent]  # its calls are not replayed again
                 notes[m.smooth] = {"awq_grid_point": point}
@@ -255,8 +260,8 @@ class LayerStep:
                 _fold(module, m, tensors[key], self.source.family)
         return notes
 
-    def _record(self, module, mappings: list, chunks: Chunks, kwargs: Callable[[], dict], seconds: dict,
-                cache: DeviceCache) -> dict:
+    def _record(self, layer: int, module, mappings: list, chunks: Chunks, kwargs: Callable[[], dict],
+                seconds: dict, cache: DeviceCache) -> dict:
         """One calibration forward over this rank's chunks: per mapping, each sample's activation sum in its slot
         (awq.activation_sum, by the sample's number) with its token count, and per parent, each sample's call (its
         own tensors in `cache`; the layer's keyword arguments, the same for every call, stay where they are)."""
@@ -285,15 +290,35 @@ class LayerStep:
                     for p in record["calls"]]
         try:
             with timed(seconds, "calibrate"), experts_mode(module, self.all_experts):
+                first = True
                 for chunk, x in chunks():
                     for i, sample in enumerate(x.split(1)):
                         at[0], kw = self.chunks[chunk][0] + i, kwargs()
                         shared[0] = tensor_ids(kw)
                         module(sample, **kw)
+                        if first:
+                            self._record_fits(layer, cache)
+                            first = False
         finally:
             for h in handles:
                 h.remove()
         return record
+
+    def _record_fits(self, layer: int, cache: DeviceCache):
+        """Once the first sample is recorded: UsageError if this rank's samples, each recorded as large, would not
+        fit in what the cache may hold and the temporary directory's free space (every sample's calls have the same
+        shapes: the whole layer would be spent before the disk filled)."""
+        per_sample, tmp = cache.kept, tempfile.gettempdir()
+        own = partition(len(self.chunks), self.world.size, self.world.rank)
+        samples = sum(self.chunks[c][1] - self.chunks[c][0] for c in own)
+        memory = cache.left + cache.host_left + per_sample - cache.on_disk
+        disk = shutil.disk_usage(tmp).free + cache.on_disk
+        if per_sample * samples > memory + disk:
+            raise UsageError(f"layer {layer}: AWQ's record of its calls on rank {self.world.rank} would take "
+                             f"{per_sample * samples / 1e9:.3g} GB ({samples} samples of {per_sample / 1e9:.3g} GB), "
+                             f"more than the {memory / 1e9:.3g} GB of memory and the {disk / 1e9:.3g} GB of disk "
+                             f"in {tmp} it may use: run on more ranks (each records its share of the samples), "
+                             "with fewer --num-samples, or with TMPDIR on a larger disk")
 
     def _search(self, layer: int, module, m, record: dict, cache: DeviceCache) -> tuple[torch.Tensor, int | None]:
         """AWQ's scales of mapping `m` (empty where it is skipped) and the grid point chosen: every rank's samples'
@@ -531,13 +556,16 @@ class LayerStep:
         return weights
 
 
-def _cache_allowance(module, budget: int | None, device) -> float:
-    """The device bytes AWQ may cache in a layer (its calls, then each mapping's reference outputs): half the budget
-    less the layer's own tensors, as the replays' window takes half (inputs.py); the rest is the search's working
-    memory (candidate weights, a round's outputs). On the host, all: copying to the host would gain nothing."""
-    if budget is None or torch.device(device).type == "cpu":
-        return math.inf
-    return max(0, budget // 2 - _held_bytes(module))
+def _cache_allowances(module, budget: int | None, device) -> tuple[float, float]:
+    """The bytes AWQ may cache in a layer (its calls, then each mapping's reference outputs) on the device, then in
+    host memory. The device's: half the budget less the layer's own tensors, as the replays' window takes half
+    (inputs.py); the rest is the search's working memory (candidate weights, a round's outputs). The host's: half of
+    this rank's share of its available memory; on the CPU, the lesser of the two is the device's."""
+    device_bytes = math.inf if budget is None else max(0, budget // 2 - _held_bytes(module))
+    host_bytes = host_share() // 2
+    if torch.device(device).type == "cpu":
+        return min(device_bytes, host_bytes), 0
+    return device_bytes, host_bytes
 
 
 def _held_bytes(module) -> int:
