@@ -105,7 +105,7 @@ def test_awq_past_its_memory_records_to_a_file_and_writes_the_same_bits(model, r
     proc = run_cli("run", "--model", model, "--recipe", tmp_path / "recipe.yaml", "--output", tmp_path / "out", *JOB,
                    "--max-memory", "1MB", env=one_thread_env() | {"TMPDIR": str(spill)})
     assert f"GB in a file in {spill}, past the memory it may use" in proc.stderr
-    assert os.listdir(spill) == []
+    assert not [p for p in spill.rglob("*") if not p.is_dir()]  # torch may make a cache directory there
     assert_same_bits(tmp_path / "out", reference("awq_w4a16_asym"))
 
 

@@ -1,8 +1,9 @@
-"""The state's safetensors bytes are safetensors' own, though copied by torch (tensor_bytes.py), and its digests
-(hashed a slice at a time) xxhash's of the whole."""
+"""The state's safetensors bytes are safetensors' own, though copied by numpy (tensor_bytes.py); what the export
+reads back is views of those bytes; and the state's digests (hashed a slice at a time) are xxhash's of the whole."""
 
 import os
 
+import numpy
 import pytest
 import torch
 import xxhash
@@ -35,6 +36,20 @@ def test_the_bytes_are_safetensors_own():
     assert all(torch.equal(back[k].reshape(-1).view(torch.uint8), tensors[k].reshape(-1).view(torch.uint8))
                for k in tensors)
     assert tensor_bytes.save({}).tobytes() == save({})
+
+
+def test_bytes_load_back_as_views_of_themselves():
+    """`load` gives the tensors of safetensors' bytes back, as views of those bytes, not copies."""
+    tensors = every_kind()
+    data = save({k: v.contiguous() for k, v in tensors.items()}, metadata={"format": "pt"})
+    back = tensor_bytes.load(data)
+    assert back.keys() == tensors.keys()
+    for k, t in tensors.items():
+        assert back[k].dtype == t.dtype and back[k].shape == t.shape
+        assert torch.equal(back[k].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))
+    buffer = numpy.frombuffer(data, dtype=numpy.uint8).ctypes.data
+    assert all(buffer <= t.data_ptr() < buffer + len(data) for t in back.values() if t.numel())
+    assert tensor_bytes.load(save({})) == {}
 
 
 @pytest.mark.parametrize("size", [0, 1, DIGEST_SLICE, DIGEST_SLICE + 1, 3 * DIGEST_SLICE + 7])

@@ -90,17 +90,24 @@ class CommitProtocol:
             self._commits[layer, epoch] = manifest
         return self._commits[layer, epoch]
 
-    def tensors(self, layer: int) -> dict[str, torch.Tensor]:
+    def tensors(self, layer: int, views: bool = False) -> dict[str, torch.Tensor]:
         """The compressed tensors of a layer in `view`: from the bytes `verified` read back (once), else read now
         and checked against their digests. CorruptStateError if they do not match, or the commit is missing: the
-        layer is then damaged, and the next `verified` leaves it out."""
+        layer is then damaged, and the next `verified` leaves it out. With `views`, read-only views of the bytes
+        read (tensor_bytes.load), for a reader that only writes them out (the export)."""
         epoch, out = self.view[layer], {}
         try:
             manifest = self.manifest_of(layer, epoch)
             if manifest is None:
                 raise CorruptStateError(f"the commit of layer {layer} in epoch {epoch} is missing")
             for record in manifest["weights"]:
-                out.update(self.read_tensors(record))
+                if views:
+                    from elastic_oneshot.durability import tensor_bytes  # torch: imported on first use
+
+                    data = self._read.pop(record["path"], None)
+                    out.update(tensor_bytes.load(self.state.read_bytes(record) if data is None else data))
+                else:
+                    out.update(self.read_tensors(record))
         except CorruptStateError as e:
             self._damaged[layer, epoch] = str(e)
             raise

@@ -94,7 +94,7 @@ class Export:
         def layer_tensors(layer: int) -> dict:
             read.add(layer)
             try:
-                return protocol.tensors(layer)
+                return protocol.tensors(layer, views=True)
             except CorruptStateError as e:
                 if self.repair:
                     raise
