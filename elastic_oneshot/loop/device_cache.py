@@ -5,6 +5,7 @@ sample's inputs of every mapping's parent: on a large MoE, hundreds of GB a laye
 (`--max-memory`) and the host's memory bound what it holds; the copies are exact, so where a tensor is held changes
 no bits, only time."""
 
+import errno
 import os
 import tempfile
 
@@ -96,8 +97,8 @@ class _OnDisk:
         view, done = memoryview(buffer.numpy()), 0
         while done < nbytes:
             got = os.preadv(self.file.fileno(), [view[done:]], self.at + done)
-            if not got:
-                raise OSError(f"{self.file.name}: {nbytes - done} bytes short at {self.at + done}")
+            if not got:  # the file is this process's alone, and unlinked: never, unless the disk fails
+                raise OSError(errno.EIO, f"AWQ's cache file ends {nbytes - done} bytes short", tempfile.gettempdir())
             done += got
         return buffer.view(self.dtype).reshape(self.shape).to(device, non_blocking=buffer.is_pinned())
 
