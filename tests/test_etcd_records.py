@@ -16,7 +16,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 from elastic_oneshot.durability.etcd_records import EtcdRecords, parse_url, redact
 from elastic_oneshot.errors import StaleEpochError, UsageError
 from elastic_oneshot.testing.etcd_server import EtcdServer, make_tls
-from elastic_oneshot.testing.runs import assert_same_bits, one_thread_env, run_cli, tree_digest
+from elastic_oneshot.testing.runs import assert_same_bits, one_thread_env, run_cli, tree_digest, workers
 from elastic_oneshot.testing.tiny import make_model
 
 JOB = ["--num-samples", 48, "--seq-len", 256, "--group-size", 64, "--chunk-size", 8]
@@ -216,18 +216,7 @@ class Nodes:
         return self
 
     def workers(self, agent) -> dict[int, psutil.Process]:
-        found = {}
-        try:
-            children = psutil.Process(agent.pid).children(recursive=True)
-        except psutil.Error:
-            return found
-        for child in children:
-            try:
-                if "RANK" in child.environ() and "elastic_oneshot" in " ".join(child.cmdline()):
-                    found[int(child.environ()["RANK"])] = child
-            except psutil.Error:
-                pass
-        return found
+        return workers(agent)
 
     def wait_layers(self, count: int, timeout: float = 120) -> float:
         """Until `count` layers are committed (read from etcd); returns when."""

@@ -11,7 +11,6 @@ import subprocess
 import sys
 import time
 
-import psutil
 import pytest
 import torch
 
@@ -19,7 +18,7 @@ from elastic_oneshot.distributed.world import rank_lost
 from elastic_oneshot.durability.state import StateStore
 from elastic_oneshot.errors import UsageError
 from elastic_oneshot.models.source import SourceModel
-from elastic_oneshot.testing.runs import one_thread_env, run_cli, torchrun_cmd, tree_digest
+from elastic_oneshot.testing.runs import one_thread_env, run_cli, torchrun_cmd, tree_digest, workers
 from elastic_oneshot.testing.tiny import make_model
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -166,11 +165,6 @@ def test_the_loser_of_a_simultaneous_claim_is_told_so(tmp_path):
         second.claim({**record, "fingerprint": "g"}, torch.zeros(2, 4, dtype=torch.int64))
 
 
-def _workers(proc: subprocess.Popen) -> dict[int, psutil.Process]:
-    return {int(c.environ()["RANK"]): c for c in psutil.Process(proc.pid).children(recursive=True)
-            if "RANK" in c.environ()}
-
-
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("fault", ["killed", "frozen"])
@@ -191,7 +185,7 @@ def test_a_worker_whose_other_rank_died_or_froze_says_so_in_one_line(fault, tmp_
         while not ((state / "commits").is_dir() and os.listdir(state / "commits")):
             assert proc.poll() is None and time.monotonic() < deadline, "no layer was committed"
             time.sleep(0.05)
-        ranks = _workers(proc)
+        ranks = workers(proc)
         victim = ranks[1]
         victim.send_signal(signal.SIGSTOP)  # rank 0 now waits for it in a collective
         if fault == "killed":

@@ -114,15 +114,20 @@ def run_world(world: int, model, out, job=JOB, program=CLI, **kw):
 
 
 def workers(launcher: subprocess.Popen) -> dict[int, psutil.Process]:
-    """torchrun's workers under `launcher`, by rank."""
+    """torchrun's workers under `launcher`, by rank (none once it has ended; a worker that ends while it is looked
+    at is left out)."""
     found = {}
-    for child in psutil.Process(launcher.pid).children(recursive=True):
+    try:
+        children = psutil.Process(launcher.pid).children(recursive=True)
+    except psutil.Error:
+        return found
+    for child in children:
         try:
             rank = child.environ().get("RANK")
+            if rank is not None and "elastic_oneshot" in " ".join(child.cmdline()):
+                found[int(rank)] = child
         except psutil.Error:
             continue
-        if rank is not None and "elastic_oneshot" in " ".join(child.cmdline()):
-            found[int(rank)] = child
     return found
 
 
