@@ -221,9 +221,9 @@ def bench(name: str, recipe: str | None, a, env: dict, peer: bool) -> dict:
         job.update({"recipe": recipe, "group": 128} if recipe else {"group_size": 128})
         theirs = measure("peer-recipe" if recipe else "peer", [json.dumps(job)],
                          a.log or os.path.join(work, f"peer{tag}.log"), os.path.join(work, f"peer{tag}.json"), env)
-        print(f"peer: {theirs['wall']:.1f} s, ratio {ours['wall'] / theirs['wall']:.3f} "
-              f"(target <= {wall_goal(recipe)})", flush=True)
         kept(peer=theirs, wall_ratio=ours["wall"] / theirs["wall"])
+        print(f"peer: {theirs['wall']:.1f} s, ratio {ours['wall'] / theirs['wall']:.3f} "
+              f"(target <= {wall_goal(recipe)})", flush=True)  # once kept: a deadline may cut it off any time
     same = table(name, ours, theirs, out, peer_out, samples, seq_len, recipe)
     kept(identical=same)
     if a.durability:  # last: where a deadline cuts the bench short, the figures above are printed
