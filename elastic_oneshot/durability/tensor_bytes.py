@@ -7,7 +7,7 @@ for it: a data-free pass spent more time waiting than computing. Here the tensor
 releases the GIL and copies on this thread alone (torch's copy_ would take the solver's intra-op threads), into one
 uninitialized buffer (a bytearray would be zeroed first, holding the GIL), which is written as it is (no copy into a
 `bytes` after it). The committed layers the export writes out are read as views of the bytes read (`load`), where
-safetensors' `load` copies each tensor (0.7-1 s a GB on a 2-core host).
+safetensors' `load` copies each tensor.
 """
 
 import json
