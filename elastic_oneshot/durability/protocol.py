@@ -101,13 +101,7 @@ class CommitProtocol:
             if manifest is None:
                 raise CorruptStateError(f"the commit of layer {layer} in epoch {epoch} is missing")
             for record in manifest["weights"]:
-                if views:
-                    from elastic_oneshot.durability import tensor_bytes  # torch: imported on first use
-
-                    data = self._read.pop(record["path"], None)
-                    out.update(tensor_bytes.load(self.state.read_bytes(record) if data is None else data))
-                else:
-                    out.update(self.read_tensors(record))
+                out.update(self.read_tensors(record, views))
         except CorruptStateError as e:
             self._damaged[layer, epoch] = str(e)
             raise
@@ -118,11 +112,14 @@ class CommitProtocol:
         out."""
         self._damaged[layer, self.view[layer]] = reason
 
-    def read_tensors(self, record: dict) -> dict[str, torch.Tensor]:
+    def read_tensors(self, record: dict, views: bool = False) -> dict[str, torch.Tensor]:
         """The tensors of a weight file: from the bytes `verified` or `solved` read back (used once), else read
-        now against its digest (CorruptStateError)."""
+        now against its digest (CorruptStateError); with `views`, as views of those bytes (`tensors`)."""
+        from elastic_oneshot.durability import tensor_bytes  # torch: imported on first use
+
         data = self._read.pop(record["path"], None)
-        return self.state.read_tensors(record) if data is None else load_tensors(data)
+        data = self.state.read_bytes(record) if data is None else data
+        return tensor_bytes.load(data) if views else load_tensors(data)
 
     def _verify(self, manifest: dict | None, layer: int, epoch: int, listed: dict, deep: bool = False) -> dict:
         """`manifest`, the records' commit of `layer` in `epoch`, if it exists and its weight files check out:
