@@ -1,6 +1,7 @@
 """The CUDA path, on one GPU: the spine's parity with llmcompressor, kill -9 then resume byte-identical, the FP8 and
 NVFP4 schemes, a Qwen3-MoE layer, in float32 and bfloat16, and each recipe of issue 46 (AWQ, SmoothQuant + GPTQ,
-SparseGPT, QuantizationModifier), AWQ over its memory budget. Skipped without a GPU.
+SparseGPT, QuantizationModifier), AWQ over its memory budget and its cache's host and file tiers. Skipped without a
+GPU.
 
 ELASTIC_ONESHOT_TEST_DEVICE=cpu runs them on CPU (the GPU hidden), to check the tests themselves; =cuda insists on
 the GPU. Every job runs in a process of its own (elastic_oneshot.testing.gpu) that reports the peak GPU memory it
@@ -191,6 +192,29 @@ def test_awq_over_its_budget_holds_less_and_writes_the_same_bits(tmp_path):
     assert tree_digest(tmp_path / "held") == tree_digest(tmp_path / "spilled")
     if DEVICE == "cuda":
         assert spilled["peak_gpu_bytes"] < held["peak_gpu_bytes"]
+
+
+def test_awq_cache_brings_back_exact_copies_from_host_memory_and_its_file(tmp_path, monkeypatch):
+    """AWQ's cache (loop/device_cache.py) past both its allowances on this device: a call held, one copied to
+    (pinned) host memory, the rest written to its file in TMPDIR; each comes back on the device bit for bit, read
+    in reverse order and compared only once every copy back is under way (each is asynchronous from pinned memory
+    on CUDA, its buffer let go as soon as the copy is issued)."""
+    from elastic_oneshot.loop.device_cache import DeviceCache
+
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    device = torch.device(DEVICE)
+    torch.manual_seed(0)
+    calls = [{"x": torch.randn(64, 512, dtype=dtype, device=device).t(), "n": torch.tensor(i, device=device)}
+             for i, dtype in enumerate([torch.float32, torch.bfloat16, torch.float16, torch.bfloat16, torch.float32])]
+    sizes = [c["x"].nbytes + c["n"].nbytes for c in calls]
+    cache = DeviceCache(device, sizes[0], host_allowance=sizes[1])
+    kept = [cache.keep(c) for c in calls]
+    assert [type(k["x"]).__name__ for k in kept] == ["Tensor", "_Spilled", "_OnDisk", "_OnDisk", "_OnDisk"]
+    assert kept[1]["x"].host.is_pinned() == (device.type == "cuda") and cache.on_disk == sum(sizes[2:])
+    back = [cache.use(k) for k in reversed(kept)][::-1]
+    for call, b in zip(calls, back):
+        assert b["x"].device == device and b["x"].shape == call["x"].shape and torch.equal(b["x"], call["x"])
+        assert torch.equal(b["n"], call["n"])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
