@@ -16,7 +16,7 @@
 #
 #   bash launch/gpu_session.sh all [--tiny] [--budget SECONDS]
 #   bash launch/gpu_session.sh recipes [--tiny] [--budget SECONDS]   # issue 46's recipes instead, in one call
-#       (budget 520 s): tests/test_cuda.py -k 'recipes or budget', then one bench/gpu.py on the Llama cut to 4 layers, 32 x 2048
+#       (budget 520 s): tests/test_cuda.py -k 'recipes or budget or cache', then one bench/gpu.py on the Llama cut to 4 layers, 32 x 2048
 #       tokens, for sparse_2of4_fp8 nvfp4 awq_w4a16_asym smoothquant_w8a8 fp8_dynamic in that order (each side's
 #       figures in result.json as it ends; a recipe that fails is reported and the next one runs)
 #   bash launch/gpu_session.sh STEP [arguments for bench/gpu.py, or for pytest with tests]   # one step, no deadline
@@ -142,7 +142,7 @@ case "$step" in
                      --recipe fp8_dynamic)
             steps=(
                 "setup 100 setup"
-                "tests 250 tests -n $workers --timeout 150 -k 'recipes or budget'"
+                "tests 250 tests -n $workers --timeout 150 -k 'recipes or budget or cache'"
                 "recipes 1000 bench llama3-8b recipes.log ${cut[*]} ${recipes[*]}"
             )
         fi
