@@ -126,11 +126,22 @@ def test_awq_refuses_a_record_that_memory_and_the_disk_cannot_hold_after_its_fir
     recorded, search = [], layer_step.LayerStep._search
     monkeypatch.setattr(layer_step.LayerStep, "_search", lambda self, *a: recorded.append(len(kept)) or
                         search(self, *a))
+    fits, per_sample = layer_step.LayerStep._record_fits, []
+    monkeypatch.setattr(layer_step.LayerStep, "_record_fits", lambda self, layer, cache: per_sample.append(
+        cache.kept) or fits(self, layer, cache))
     decide()
-    kept.clear()
-    monkeypatch.setattr(layer_step.shutil, "disk_usage", lambda path: type("usage", (), {"free": 1000}))
-    with pytest.raises(UsageError, match=r"^layer 0: AWQ's record of its calls on rank 0 would take .* GB \(6 "
-                                         r"samples of .* GB\), more than the .* GB of memory and the .* GB of disk "
-                                         r"in .*: run on more ranks"):
-        decide()
-    assert len(kept) == recorded[0] // 6  # the first sample's calls (one per parent), then the refusal
+    disk = {"free": 7 * per_sample[0]}  # with the first sample's in the file: 8 samples' worth, 4.5 each of two ranks
+    monkeypatch.setattr("shutil.disk_usage", lambda path: type("usage", (), disk))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    decide()  # alone on the host: the record fits
+    for local, free in (("2", disk["free"]), ("1", 1000)):  # two ranks on the host record at once: each has half
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
+        disk["free"] = free
+        kept.clear()
+        with pytest.raises(UsageError, match=r"^layer 0: AWQ's record of its calls on rank 0 would take .* GB \(6 "
+                                             r"samples of .* GB\), more than the .* GB of memory and the .* GB of "
+                                             r"disk in .* it may use" + (r" \(its share: 2 ranks on this host "
+                                                                        r"record at once\)" if local == "2" else "")
+                                             + ": run on more ranks"):
+            decide()
+        assert len(kept) == recorded[0] // 6  # the first sample's calls (one per parent), then the refusal

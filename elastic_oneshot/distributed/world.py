@@ -7,6 +7,7 @@ import datetime
 import logging
 import os
 import re
+import shutil
 import time
 
 import torch
@@ -125,7 +126,7 @@ class World:
     def memory_for_a_layer(self) -> list[tuple[str, int]]:
         """(where, bytes) this rank can hold a layer in now: its share of the host's available memory (every
         local rank loads the same layer at once), and on a GPU the device's free memory."""
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        local = local_ranks()
         out = [(f"rank {self.rank}'s host" + (f" (its share: {local} ranks load a layer there)" if local > 1 else ""),
                 host_share())]
         if self.device.type == "cuda":
@@ -182,10 +183,20 @@ class World:
             dist.destroy_process_group()
 
 
+def local_ranks() -> int:
+    """The ranks on this host (torchrun's LOCAL_WORLD_SIZE): they work on the same layer at once, so each may use
+    a share of its memory and of its disk."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+
+
 def host_share() -> int:
-    """This rank's share of the host's available memory now: every local rank (torchrun's LOCAL_WORLD_SIZE) works
-    on the same layer at once."""
-    return _host_available() // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    """This rank's share of the host's available memory now."""
+    return _host_available() // local_ranks()
+
+
+def disk_share(path: str) -> int:
+    """This rank's share of the free space now on the file system that holds `path`."""
+    return shutil.disk_usage(path).free // local_ranks()
 
 
 def _host_available() -> int:
