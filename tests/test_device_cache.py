@@ -1,11 +1,14 @@
 """loop/device_cache.py: what AWQ caches on the device for a layer stays within the run's budget, then within the
 host's, then goes to a file; where a tensor is held changes no bits. A record that would not fit even on the disk is
-refused after its first sample."""
+refused after its first sample (a temporary directory in memory counting as none)."""
 
+import contextlib
 import errno
 import logging
 import math
 import os
+import shutil
+import subprocess
 
 import pytest
 import torch
@@ -13,7 +16,7 @@ import torch
 from elastic_oneshot.distributed.world import World
 from elastic_oneshot.errors import UsageError
 from elastic_oneshot.loop import layer_step
-from elastic_oneshot.loop.device_cache import DeviceCache, tensor_ids
+from elastic_oneshot.loop.device_cache import DeviceCache, in_memory, tensor_ids
 from elastic_oneshot.loop.passes import plan
 from elastic_oneshot.models.source import Embedder, SourceModel
 from elastic_oneshot.quantization import awq
@@ -114,10 +117,24 @@ def test_awq_chooses_the_same_scales_with_its_calls_out_of_the_device(family, ti
     assert all(torch.equal(weights[k], spilled_weights[k]) for k in weights)
 
 
+@contextlib.contextmanager
+def tmpfs(path, size: str = "64m"):
+    """A file system in memory mounted at `path` (made here) for the block."""
+    path.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], check=True)
+    try:
+        yield str(path)
+    finally:
+        subprocess.run(["umount", str(path)], check=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs")
 def test_awq_refuses_a_record_that_memory_and_the_disk_cannot_hold_after_its_first_sample(tiny_llama, tmp_path,
                                                                                          monkeypatch):
     """Every sample's calls have the same shapes: once the first is recorded, a record that would outgrow what the
-    cache may hold and the temporary directory's free space is refused, before the other samples are run."""
+    cache may hold and this rank's share of the temporary directory's free space is refused, before the other
+    samples are run. The ranks of a host share its disk; a temporary directory in memory (tmpfs) offers none, its
+    room being the memory the allowances count."""
     decide = awq_layer("llama", tiny_llama, tmp_path)
     monkeypatch.setattr(layer_step, "_cache_allowances", lambda module, budget, device: (0, 0))
     kept, keep = [], DeviceCache.keep
@@ -129,19 +146,39 @@ def test_awq_refuses_a_record_that_memory_and_the_disk_cannot_hold_after_its_fir
     fits, per_sample = layer_step.LayerStep._record_fits, []
     monkeypatch.setattr(layer_step.LayerStep, "_record_fits", lambda self, layer, cache: per_sample.append(
         cache.kept) or fits(self, layer, cache))
-    decide()
-    disk = {"free": 7 * per_sample[0]}  # with the first sample's in the file: 8 samples' worth, 4.5 each of two ranks
-    monkeypatch.setattr("shutil.disk_usage", lambda path: type("usage", (), disk))
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    disk, usage = (tmp_path / "disk"), shutil.disk_usage
+    disk.mkdir()
+    monkeypatch.setattr("tempfile.tempdir", str(disk))
+    if in_memory(str(disk)):
+        pytest.skip(f"{tmp_path} is in memory: the test needs a temporary directory on a disk")
+    decide()
+    free = {str(disk): 7 * per_sample[0]}  # with the first sample in the file: 8 samples, 4.5 each of two ranks
+    monkeypatch.setattr("shutil.disk_usage", lambda path: type("usage", (), {"free": free[path]}) if path in free
+                        else usage(path))
     decide()  # alone on the host: the record fits
-    for local, free in (("2", disk["free"]), ("1", 1000)):  # two ranks on the host record at once: each has half
+
+    def refused(local: str, where: str, room: str):
         monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
-        disk["free"] = free
+        monkeypatch.setattr("tempfile.tempdir", where)
         kept.clear()
         with pytest.raises(UsageError, match=r"^layer 0: AWQ's record of its calls on rank 0 would take .* GB \(6 "
-                                             r"samples of .* GB\), more than the .* GB of memory and the .* GB of "
-                                             r"disk in .* it may use" + (r" \(its share: 2 ranks on this host "
-                                                                        r"record at once\)" if local == "2" else "")
-                                             + ": run on more ranks"):
+                                             rf"samples of .* GB\), more than the .* GB of memory {room}: run on "
+                                             r"more ranks .*, or with TMPDIR on a"):
             decide()
         assert len(kept) == recorded[0] // 6  # the first sample's calls (one per parent), then the refusal
+
+    refused("2", str(disk), rf"and the .* GB of disk in {disk} it may use \(its share: 2 ranks on this host "
+                            r"record at once\)")
+    free[str(disk)] = 1000
+    refused("1", str(disk), rf"and the .* GB of disk in {disk} it may use")
+    with tmpfs(tmp_path / "memory") as memory:  # 64 MiB free: room for the whole record, were it a disk
+        refused("1", memory, rf"it may use \({memory}, the temporary directory, is in memory too\)")
+
+
+def test_a_file_system_in_memory_is_known_by_its_mount(tmp_path):
+    assert not in_memory("/proc/self") and not in_memory("/nonexistent")
+    if os.geteuid() == 0:
+        with tmpfs(tmp_path / "in memory") as memory:  # its mount point written with an escape (\\040)
+            assert in_memory(memory) and in_memory(os.path.join(memory, "a", "b"))
+            assert not in_memory(memory + "2") or in_memory(str(tmp_path))  # beside it, not in it

@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 
+from elastic_oneshot.loop.device_cache import in_memory
 from elastic_oneshot.testing.recipes import recipe_yaml
 from elastic_oneshot.testing.runs import assert_same_bits, one_thread_env, run_cli, torchrun_cmd, workers
 from elastic_oneshot.testing.tiny import make_model
@@ -102,6 +103,8 @@ def test_awq_past_its_memory_records_to_a_file_and_writes_the_same_bits(model, r
     (tmp_path / "recipe.yaml").write_text(recipe_yaml("awq_w4a16_asym"))
     spill = tmp_path / "tmp"
     spill.mkdir()
+    if in_memory(str(spill)):
+        pytest.skip(f"{tmp_path} is in memory (tmpfs): the file tier needs a temporary directory on a disk")
     proc = run_cli("run", "--model", model, "--recipe", tmp_path / "recipe.yaml", "--output", tmp_path / "out", *JOB,
                    "--max-memory", "1MB", env=one_thread_env() | {"TMPDIR": str(spill)})
     assert f"GB in a file in {spill}, past the memory it may use" in proc.stderr
@@ -110,23 +113,24 @@ def test_awq_past_its_memory_records_to_a_file_and_writes_the_same_bits(model, r
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a small tmpfs")
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs")
 def test_awq_refuses_a_record_that_would_not_fit_before_it_is_spent(model, tmp_path):
-    """With TMPDIR on a disk of 1 MiB and --max-memory of 1 MB, layer 0's record (24 samples of about 0.3 MB) cannot
-    fit: the run ends with the one line that says so and what to do (exit 2) after its first sample, and commits
-    nothing of AWQ's pass."""
+    """With --max-memory of 1 MB and TMPDIR in memory (a tmpfs, with room for the whole record were it a disk),
+    layer 0's record (24 samples of about 0.3 MB) cannot fit: the run ends with the one line that says so and what
+    to do (exit 2) after its first sample, and commits nothing of AWQ's pass."""
     (tmp_path / "recipe.yaml").write_text(recipe_yaml("awq_w4a16_asym"))
-    small = tmp_path / "small"
-    small.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", small], check=True)
+    memory = tmp_path / "memory"
+    memory.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", memory], check=True)
     try:
         proc = run_cli("run", "--model", model, "--recipe", tmp_path / "recipe.yaml", "--output", tmp_path / "out",
                        "--state", tmp_path / "state", *JOB, "--max-memory", "1MB", check=False,
-                       env=one_thread_env() | {"TMPDIR": str(small)})
+                       env=one_thread_env() | {"TMPDIR": str(memory)})
     finally:
-        subprocess.run(["umount", small], check=True)
+        subprocess.run(["umount", memory], check=True)
     assert proc.returncode == 2, proc.stderr[-3000:]
     line = proc.stderr.strip().splitlines()[-1]
     assert line.startswith("elastic-oneshot: error: layer 0: AWQ's record of its calls on rank 0 would take ") and \
-        f"GB of disk in {small} it may use: run on more ranks" in line, line
+        f"GB of memory it may use ({memory}, the temporary directory, is in memory too): run on more ranks" in line \
+        and line.endswith("or with TMPDIR on a disk"), line
     assert not list((tmp_path / "state").rglob("commits/*.json"))

@@ -2,15 +2,20 @@
 on the device up to an allowance of bytes, past it in host memory up to another, past that in a file in the
 temporary directory ($TMPDIR), each copy brought back as it is used. Such a cache grows with the samples (every
 sample's inputs of every mapping's parent: on a large MoE, hundreds of GB a layer), and the run's budget
-(`--max-memory`) and the host's memory bound what it holds; the copies are exact, so where a tensor is held changes
-no bits, only time."""
+(`--max-memory`) and the host's memory bound what it holds, and the file's room (`file_room`) what it may hold at
+all; the copies are exact, so where a tensor is held changes no bits, only time."""
 
 import errno
 import os
+import re
 import tempfile
 
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
+
+from elastic_oneshot.distributed.world import disk_share
+
+MEMORY_FILE_SYSTEMS = ("tmpfs", "ramfs")  # their files' pages are the host's memory
 
 
 class DeviceCache:
@@ -101,6 +106,31 @@ class _OnDisk:
                 raise OSError(errno.EIO, f"AWQ's cache file ends {nbytes - done} bytes short", tempfile.gettempdir())
             done += got
         return buffer.view(self.dtype).reshape(self.shape).to(device, non_blocking=buffer.is_pinned())
+
+
+def file_room() -> tuple[str, int, bool]:
+    """Where the caches' files go ($TMPDIR), this rank's share of the room there, and whether that directory is
+    held in memory (tmpfs, ramfs: as on hosts whose TMPDIR is /dev/shm), where it has none: what a file there
+    holds is taken from the host memory that the allowances already count."""
+    tmp = tempfile.gettempdir()
+    memory = in_memory(tmp)
+    return tmp, 0 if memory else disk_share(tmp), memory
+
+
+def in_memory(path: str) -> bool:
+    """Whether `path` is on a file system held in memory: the type of the last mount over the longest mount point
+    above it (/proc/self/mountinfo); False where that cannot be read."""
+    path, best, kind = os.path.realpath(path), -1, None
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                fields, _, rest = line.partition(" - ")
+                point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields.split()[4])
+                if (path == point or path.startswith(point.rstrip("/") + "/")) and len(point) >= best:
+                    best, kind = len(point), rest.split()[0]
+    except (OSError, IndexError):
+        return False
+    return kind in MEMORY_FILE_SYSTEMS
 
 
 def tensor_ids(obj) -> frozenset:

@@ -32,11 +32,11 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
-from elastic_oneshot.distributed.world import World, disk_share, host_share, local_ranks
+from elastic_oneshot.distributed.world import World, host_share, local_ranks
 from elastic_oneshot.errors import UsageError
 from elastic_oneshot.loop.calibration import Calibration
 from elastic_oneshot.loop.data import partition
-from elastic_oneshot.loop.device_cache import DeviceCache, tensor_ids
+from elastic_oneshot.loop.device_cache import DeviceCache, file_room, tensor_ids
 from elastic_oneshot.loop.passes import DENSE, SCALES, Pass, Unit, dense
 from elastic_oneshot.models.moe import experts_mode, has_experts, replayable, streamed
 from elastic_oneshot.models.source import SourceModel
@@ -305,22 +305,27 @@ class LayerStep:
 
     def _record_fits(self, layer: int, cache: DeviceCache):
         """Once the first sample is recorded: UsageError if this rank's samples, each recorded as large, would not
-        fit in what the cache may hold and its share of the temporary directory's free space (every sample's calls
-        have the same shapes: the whole layer would be spent before the disk filled; every rank on the host records
-        its own at once)."""
-        per_sample, tmp = cache.kept, tempfile.gettempdir()
+        fit in what the cache may hold and its share of the temporary directory's free space, none if that is in memory
+        (every sample's calls have the same shapes: the whole layer would be spent before the disk filled; every
+        rank on the host records its own at once)."""
+        per_sample, (tmp, room, in_memory) = cache.kept, file_room()
         own = partition(len(self.chunks), self.world.size, self.world.rank)
         samples = sum(self.chunks[c][1] - self.chunks[c][0] for c in own)
-        memory = cache.left + cache.host_left + per_sample - cache.on_disk
-        disk = disk_share(tmp) + cache.on_disk
-        if per_sample * samples > memory + disk:
+        memory, disk = cache.left + cache.host_left + per_sample - cache.on_disk, room + cache.on_disk
+        if in_memory:
+            memory, disk = memory + disk, 0
+        if per_sample * samples <= memory + disk:
+            return
+        room_text = f"the {memory / 1e9:.3g} GB of memory it may use ({tmp}, the temporary directory, is in memory " \
+            "too)"
+        if not in_memory:
             local = local_ranks()
-            shared = f" (its share: {local} ranks on this host record at once)" if local > 1 else ""
-            raise UsageError(f"layer {layer}: AWQ's record of its calls on rank {self.world.rank} would take "
-                             f"{per_sample * samples / 1e9:.3g} GB ({samples} samples of {per_sample / 1e9:.3g} GB), "
-                             f"more than the {memory / 1e9:.3g} GB of memory and the {disk / 1e9:.3g} GB of disk "
-                             f"in {tmp} it may use{shared}: run on more ranks (each records its share of the "
-                             "samples), with fewer --num-samples, or with TMPDIR on a larger disk")
+            room_text = f"the {memory / 1e9:.3g} GB of memory and the {disk / 1e9:.3g} GB of disk in {tmp} it may " \
+                "use" + (f" (its share: {local} ranks on this host record at once)" if local > 1 else "")
+        raise UsageError(f"layer {layer}: AWQ's record of its calls on rank {self.world.rank} would take "
+                         f"{per_sample * samples / 1e9:.3g} GB ({samples} samples of {per_sample / 1e9:.3g} GB), "
+                         f"more than {room_text}: run on more ranks (each records its share of the samples), with "
+                         f"fewer --num-samples, or with TMPDIR on a{'' if in_memory else ' larger'} disk")
 
     def _search(self, layer: int, module, m, record: dict, cache: DeviceCache) -> tuple[torch.Tensor, int | None]:
         """AWQ's scales of mapping `m` (empty where it is skipped) and the grid point chosen: every rank's samples'
