@@ -134,3 +134,37 @@ def test_awq_refuses_a_record_that_would_not_fit_before_it_is_spent(model, tmp_p
         f"GB of memory it may use ({memory}, the temporary directory, is in memory too): run on more ranks" in line \
         and line.endswith("or with TMPDIR on a disk"), line
     assert not list((tmp_path / "state").rglob("commits/*.json"))
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs")
+@pytest.mark.parametrize("when", ["before any work", "after the first sample"])
+def test_a_usage_error_under_torchrun_is_not_restarted(when, model, tmp_path):
+    """torchrun restarts a failed group up to --max-restarts times, whatever its exit code: a recipe refused before
+    any work, or AWQ's record refused after a layer's first sample on both ranks (the second one's refusal finding
+    the first rank gone, or in a collective), would be refused again after every restart. The worker ends its
+    agent instead: each rank's line once, and torchrun ends."""
+    recipe = tmp_path / "recipe.yaml"
+    if when == "before any work":
+        recipe.write_text("recipe_stage:\n  recipe_modifiers:\n    QuIPModifier: {}\n")
+        line, extra, memory = "QuIPModifier is not supported", [], None
+    else:
+        recipe.write_text(recipe_yaml("awq_w4a16_asym"))
+        line, extra, memory = "AWQ's record of its calls on rank", ["--max-memory", "1MB"], tmp_path / "memory"
+        memory.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", memory], check=True)
+    try:
+        start = time.monotonic()
+        proc = subprocess.run(torchrun_cmd(2, "run", "--model", model, "--recipe", recipe, "--output",
+                                           tmp_path / "out", *JOB, *extra, max_restarts=3),
+                              capture_output=True, text=True, timeout=600,
+                              env=one_thread_env() | ({"TMPDIR": str(memory)} if memory else {}))
+    finally:
+        if memory:
+            subprocess.run(["umount", memory], check=True)
+    print(f"\n{when}: torchrun ended after {time.monotonic() - start:.1f} s")
+    lines = [text for text in proc.stderr.splitlines() if text.startswith("elastic-oneshot: error: ")]
+    assert proc.returncode != 0 and len(lines) == 2 and all(line in text for text in lines), proc.stderr[-3000:]
+    assert proc.stderr.count("a usage error is not retried: ending torchrun's agent") == 1
+    assert not list((tmp_path / "out.state").rglob("commits/*.json"))

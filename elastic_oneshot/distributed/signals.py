@@ -18,6 +18,7 @@ log = logging.getLogger("elastic_oneshot")
 EXIT_CODE = 128 + signal.SIGTERM
 
 _requested = threading.Event()
+_ending = threading.Event()
 _on_request = []
 
 
@@ -31,6 +32,8 @@ def install(grace_s: float = 20.0):
 
     def wait():
         signal.sigwait({signal.SIGTERM})
+        if _ending.is_set():
+            return
         log.warning("SIGTERM: stopping at the next safe point (at most %.0f s)", grace_s)
         for callback in _on_request:
             callback()
@@ -40,6 +43,12 @@ def install(grace_s: float = 20.0):
         exit_now(EXIT_CODE)
 
     threading.Thread(target=wait, name="sigterm", daemon=True).start()
+
+
+def ending():
+    """The process is ending on its own, its error line out: a SIGTERM from now on (the agent's, once
+    agent.end_restarts has ended it) changes nothing, and says nothing."""
+    _ending.set()
 
 
 def on_request(callback):

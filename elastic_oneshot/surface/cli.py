@@ -175,7 +175,15 @@ def entry(argv=None):
     `main` returns, and atexit handlers and the flushes of stdio still run."""
     global _OWN_PROCESS
     _OWN_PROCESS = True
-    code = main(argv)
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's (2 for its errors)
+        code = e.code
+    if code == 2:  # a usage error: not for torchrun to restart (distributed/agent.py)
+        from elastic_oneshot.distributed import agent, signals
+
+        signals.ending()
+        agent.end_restarts()
     gc.freeze()
     sys.exit(code)
 
