@@ -316,12 +316,14 @@ class LayerStep:
             memory, disk = memory + disk, 0
         if per_sample * samples <= memory + disk:
             return
-        room_text = f"the {memory / 1e9:.3g} GB of memory it may use ({tmp}, the temporary directory, is in memory " \
-            "too)"
-        if not in_memory:
+        if in_memory:
+            room_text = f"the {memory / 1e9:.3g} GB of memory it may use ({tmp}, the temporary directory, is in " \
+                "memory too)"
+        else:
             local = local_ranks()
+            share = f" (its share: {local} ranks on this host record at once)" if local > 1 else ""
             room_text = f"the {memory / 1e9:.3g} GB of memory and the {disk / 1e9:.3g} GB of disk in {tmp} it may " \
-                "use" + (f" (its share: {local} ranks on this host record at once)" if local > 1 else "")
+                f"use{share}"
         raise UsageError(f"layer {layer}: AWQ's record of its calls on rank {self.world.rank} would take "
                          f"{per_sample * samples / 1e9:.3g} GB ({samples} samples of {per_sample / 1e9:.3g} GB), "
                          f"more than {room_text}: run on more ranks (each records its share of the samples), with "
