@@ -8,8 +8,11 @@ import sys
 
 def report(message: str, after_bar: bool = False):
     """The one line every error ends in, on stderr: from the command line, or (`after_bar`: on a line of its own
-    below a progress bar that may be mid-draw) from a thread that must end the process at once."""
-    print(f"{chr(10) if after_bar else ''}elastic-oneshot: error: {message}", file=sys.stderr, flush=True)
+    below a progress bar that may be mid-draw) from a thread that must end the process at once. Written in one
+    call: torchrun's workers run unbuffered (`python -u`) on one shared stderr, where print's separate write of the
+    newline let another worker's line in between."""
+    sys.stderr.write(f"{chr(10) if after_bar else ''}elastic-oneshot: error: {message}\n")
+    sys.stderr.flush()
 
 
 def exit_now(code: int):
