@@ -311,9 +311,8 @@ class LayerStep:
         per_sample, (tmp, room, in_memory) = cache.kept, file_room()
         own = partition(len(self.chunks), self.world.size, self.world.rank)
         samples = sum(self.chunks[c][1] - self.chunks[c][0] for c in own)
-        memory, disk = cache.left + cache.host_left + per_sample - cache.on_disk, room + cache.on_disk
-        if in_memory:
-            memory, disk = memory + disk, 0
+        in_file = 0 if in_memory else cache.on_disk  # a file in memory holds memory
+        memory, disk = cache.left + cache.host_left + per_sample - in_file, room + in_file
         if per_sample * samples <= memory + disk:
             return
         if in_memory:
