@@ -8,7 +8,9 @@ group 128: a Llama-3-8B-shaped model cut to its first 8 decoder layers, and a Qw
     python bench/gpu.py --memory-trace         # on a GPU: where each side's peak GPU memory was (slower runs)
     python bench/gpu.py --only llama3-8b --layers 4 --samples 64 --recipe awq_w4a16_asym --recipe fp8_dynamic
                                                # issue 46's recipes (testing/recipes.py, groups of 128) from their
-                                               # YAML, against the peer's oneshot of the same modifiers
+                                               # YAML, against the peer's oneshot of the same modifiers; a
+                                               # data-free one (fp8_dynamic) also against a process that reads
+                                               # every tensor and writes it (its goal: at most that)
     python bench/gpu.py --tiny                 # the same code on CPU, tiny shapes, 16 x 128 tokens (about a
                                                # minute of CPU, most of it five interpreters importing)
     python bench/gpu.py --device cpu --memory  # no GPU: one layer of each model, ours and the peer's, on paper
@@ -39,6 +41,9 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from recipes import DATA_FREE  # noqa: E402  (bench/recipes.py: its floor, read + write, is run by its --copy-child)
+from vs_llmcompressor import measure as measure_process  # noqa: E402
 
 from elastic_oneshot.testing import accountant, gpu  # noqa: E402
 from elastic_oneshot.testing.recipes import RECIPES, recipe_yaml  # noqa: E402
@@ -226,6 +231,15 @@ def bench(name: str, recipe: str | None, a, env: dict, peer: bool) -> dict:
               f"(target <= {wall_goal(recipe)})", flush=True)  # once kept: a deadline may cut it off any time
     same = table(name, ours, theirs, out, peer_out, samples, seq_len, recipe)
     kept(identical=same)
+    if recipe in DATA_FREE:  # its goal (issue 46): at most the time to read and write the model
+        copy = os.path.join(work, "copy")
+        shutil.rmtree(copy, ignore_errors=True)
+        floor, _ = measure_process([sys.executable, os.path.join(ROOT, "bench", "recipes.py"), "--copy-child", model,
+                                    copy], os.path.join(work, "copy.log"))
+        shutil.rmtree(copy, ignore_errors=True)
+        print(f"read + write of the model: {floor:.1f} s; ours x{ours['wall'] / floor:.2f} of it (target <= 1.0)",
+              flush=True)
+        kept(read_write_wall=floor, read_write_ratio=ours["wall"] / floor)
     if a.durability:  # last: where a deadline cuts the bench short, the figures above are printed
         run_ours("0", out + "-0")
         off, on = runs["0"]["wall"], runs["auto"]["wall"]

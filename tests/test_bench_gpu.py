@@ -61,7 +61,7 @@ def test_peak_sites_sums_the_blocks_live_at_the_peak_by_their_frame():
 def test_bench_gpu_tiny_recipes(tmp_path):
     """--recipe: issue 46's recipes from their YAML against the peer's oneshot of the same modifiers, on the tiny
     bfloat16 Llama; each recipe's figures kept under its own key."""
-    recipes = ["awq_w4a16_asym", "sparse_2of4_fp8"]
+    recipes = ["awq_w4a16_asym", "sparse_2of4_fp8", "fp8_dynamic"]
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu.py"), "--tiny", "--only", "llama3-8b",
                            "--samples", "4", "--seq-len", "64", "--workdir", str(tmp_path),
                            "--result", str(tmp_path / "result.json"), *(f"--recipe={r}" for r in recipes)],
@@ -72,6 +72,8 @@ def test_bench_gpu_tiny_recipes(tmp_path):
         results = json.load(f)
     for r in recipes:
         assert f"llama3-8b, {r} on cpu" in proc.stdout and results[f"llama3-8b-{r}"]["ours"]["rss_bytes"] > 0
+    floors = [r for r in recipes if "read_write_wall" in results[f"llama3-8b-{r}"]]  # the data-free one's goal
+    assert floors == ["fp8_dynamic"] and results["llama3-8b-fp8_dynamic"]["read_write_ratio"] > 0
     if peer_available():
         assert results["llama3-8b-awq_w4a16_asym"]["identical"] == 1.0  # bfloat16 AWQ: the peer's choices
         assert results["llama3-8b-sparse_2of4_fp8"]["identical"] >= 0.85  # layer 0's exact; layer 1 in bfloat16
