@@ -11,6 +11,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 
 import psutil
@@ -297,6 +298,43 @@ def test_a_kill_while_the_output_is_swapped_leaves_the_output_in_place(tiny_llam
     monkeypatch.undo()
     assert (out / "extra.txt").read_text() == "new"
     assert tree_digest(str(built)) == before  # the previous one, removed by the next export
+
+
+def _publish_traced(out: str, built: str, fingerprint: str, log: str) -> list[str]:
+    """`publish` in a process of its own under strace: its fsyncs, renames and unlinks, in order, paths resolved."""
+    script = "import sys\nfrom elastic_oneshot.durability.destination import open_destination\n" \
+        "open_destination(sys.argv[1]).publish(sys.argv[2], sys.argv[3])"
+    subprocess.run(["strace", "-f", "-y", "-qq", "-o", log, "-e", "trace=fsync,rename,renameat,renameat2,unlinkat",
+                    sys.executable, "-c", script, out, built, fingerprint], check=True, env=one_thread_env())
+    with open(log) as f:
+        return [line.split(None, 1)[1] for line in f if line.rstrip().endswith("= 0")]  # (each after its pid)
+
+
+def test_the_output_is_on_the_disk_before_it_is_in_place_and_in_place_before_the_previous_one_goes(tiny_llama,
+                                                                                                   tmp_path):
+    """A crash after the swap must not find empty or short files under OUT (the page cache not written back), nor
+    OUT gone with the previous checkpoint removed: every file built is fsynced, then the swap, then OUT's folder
+    fsynced, then the previous one removed. Read from the system calls, the first export and then one replacing it."""
+    root = os.path.realpath(tmp_path)
+    out, built = os.path.join(root, "out"), os.path.join(root, "out.partial")
+    oneshot(model=tiny_llama, output_dir=out, **JOB)
+    fingerprint = json.loads(open(os.path.join(out, "elastic-oneshot.json")).read())["fingerprint"]
+    for replacing in (False, True):
+        if replacing:
+            shutil.copytree(out, built)
+        else:
+            os.rename(out, built)
+        files = [os.path.join(folder, name) for folder, _, names in os.walk(built) for name in names]
+        calls = _publish_traced(out, built, fingerprint, str(tmp_path / f"strace-{replacing}.log"))
+        swap = next(i for i, c in enumerate(calls) if c.startswith(("rename", "renameat")) and f'"{built}"' in c)
+        synced = {c.split("<", 1)[1].split(">", 1)[0] for c in calls[:swap] if "fsync(" in c}
+        assert set(files) | {built} <= synced, sorted(set(files) | {built} - synced)
+        parent = next((i for i, c in enumerate(calls) if "fsync(" in c and f"<{root}>" in c), None)
+        removed = next((i for i, c in enumerate(calls) if "unlinkat(" in c), len(calls))
+        assert parent is not None and swap < parent < removed, calls[swap:]
+        assert ("RENAME_EXCHANGE" in calls[swap]) == replacing  # the second is swapped with the first,
+        assert (removed < len(calls)) == replacing  # which is removed, last
+        assert os.path.exists(os.path.join(out, "elastic-oneshot.json")) and not os.path.exists(built)
 
 
 @pytest.mark.slow

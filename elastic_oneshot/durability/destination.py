@@ -7,7 +7,8 @@ replaced that a marker of this job does not list.
 
 A directory: the checkpoint is built in OUT.partial, claimed for the job before any work (so that a second job on
 the same --output is refused at its start), and renamed into place; a previous checkpoint of this job is swapped
-with it atomically where the filesystem can (else it goes to OUT.old first), and removed last.
+with it atomically where the filesystem can (else it goes to OUT.old first), and removed last. Its files are on the
+disk before it is in place, and it is in place before the previous one is removed.
 
 A prefix: built in a temporary directory ($TMPDIR), then uploaded. An object store has no rename, so the marker
 goes up last: a reader sees the checkpoint complete only with it. Before anything else, a pending marker
@@ -140,7 +141,10 @@ class Directory(Destination):
 
     def publish(self, built: str, fingerprint: str):
         self.check(fingerprint)  # again: the export took a while, and OUT is the user's to change meanwhile
-        self.storage.swap(built)
+        try:
+            self.storage.swap(built)
+        except OSError as e:  # a disk that fails the fsync (EIO; ENOSPC on NFS, which writes back only then)
+            raise StorageError(self.storage.given, e) from None
 
 
 class Prefix(Destination):

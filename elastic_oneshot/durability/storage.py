@@ -137,6 +137,18 @@ def _fsync_dir(path: str):
         os.close(fd)
 
 
+def _fsync_tree(root: str):
+    """Every file and directory under `root`, and `root`, on the disk."""
+    for folder, _, files in os.walk(root, topdown=False):
+        for name in files:
+            fd = os.open(os.path.join(folder, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(folder)
+
+
 def _write_durably(path: str, data: bytes):
     """`data` at `path`, fsynced; a parent directory created here is fsynced into its own parent."""
     parent = os.path.dirname(path)
@@ -207,21 +219,27 @@ class LocalStorage(Storage):
                              "location") from None
 
     def swap(self, built: str):
-        """The directory `built` becomes this one. A previous one is swapped with it in one step where the
+        """The directory `built` becomes this one, durably: its files are fsynced before it is put in place (a
+        crash after the swap would otherwise find them empty or short, under the name of a finished one), and the
+        swap before the previous one is removed. A previous one is swapped with it in one step where the
         filesystem can (renameat2's RENAME_EXCHANGE: this directory is never missing), else moved to ROOT.old
         first; either way it is removed last."""
-        old = f"{self.root}.old"
+        _fsync_tree(built)
+        old, parent = f"{self.root}.old", os.path.dirname(self.root)
         if os.path.lexists(old):
             shutil.rmtree(old)
         if os.path.isdir(self.root) and os.listdir(self.root):
             if _exchange(built, self.root):
+                _fsync_dir(parent)
                 shutil.rmtree(built)  # the previous one, now there
                 return
             os.replace(self.root, old)
             os.replace(built, self.root)
+            _fsync_dir(parent)
             shutil.rmtree(old)
         else:
             os.replace(built, self.root)  # rename(2) also replaces an empty directory
+            _fsync_dir(parent)
 
     def put(self, rel: str, data: bytes, exclusive: bool = False):
         path = self.where(rel)
