@@ -143,9 +143,9 @@ def test_awq_refuses_a_record_that_memory_and_the_disk_cannot_hold_after_its_fir
     recorded, search = [], layer_step.LayerStep._search
     monkeypatch.setattr(layer_step.LayerStep, "_search", lambda self, *a: recorded.append(len(kept)) or
                         search(self, *a))
-    fits, per_sample = layer_step.LayerStep._record_fits, []
-    monkeypatch.setattr(layer_step.LayerStep, "_record_fits", lambda self, layer, cache: per_sample.append(
-        cache.kept) or fits(self, layer, cache))
+    fits, per_sample = layer_step.LayerStep._record_fits, []  # per sample: (its record, its largest output)
+    monkeypatch.setattr(layer_step.LayerStep, "_record_fits", lambda self, layer, cache, reference: per_sample.append(
+        (cache.kept, reference)) or fits(self, layer, cache, reference))
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     disk, usage = (tmp_path / "disk"), shutil.disk_usage
     disk.mkdir()
@@ -153,7 +153,9 @@ def test_awq_refuses_a_record_that_memory_and_the_disk_cannot_hold_after_its_fir
     if in_memory(str(disk)):
         pytest.skip(f"{tmp_path} is in memory: the test needs a temporary directory on a disk")
     decide()
-    free = {str(disk): 7 * per_sample[0]}  # with the first sample in the file: 8 samples, 4.5 each of two ranks
+    (record, reference), = set(per_sample)
+    assert 0 < reference < record  # the attention's and the MLP's outputs: the hidden size per token
+    free = {str(disk): 7 * (record + reference)}  # with the first sample's record in the file: 4.5 each of two ranks
     monkeypatch.setattr("shutil.disk_usage", lambda path: type("usage", (), {"free": free[path]}) if path in free
                         else usage(path))
     decide()  # alone on the host: the record fits
@@ -163,13 +165,15 @@ def test_awq_refuses_a_record_that_memory_and_the_disk_cannot_hold_after_its_fir
         monkeypatch.setattr("tempfile.tempdir", where)
         kept.clear()
         with pytest.raises(UsageError, match=r"^layer 0: AWQ's record of its calls on rank 0 would take .* GB \(6 "
-                                             rf"samples of .* GB\), more than the .* GB of memory {room}: run on "
-                                             r"more ranks .*, or with TMPDIR on a"):
+                                             r"samples of .* GB, with the outputs its search keeps\), more than the "
+                                             rf".* GB of memory {room}: run on more ranks .*, or with TMPDIR on a"):
             decide()
         assert len(kept) == recorded[0] // 6  # the first sample's calls (one per parent), then the refusal
 
     refused("2", str(disk), rf"and the .* GB of disk in {disk} it may use \(its share: 2 ranks on this host "
                             r"record at once\)")
+    free[str(disk)] = 5 * record  # the record alone would fit (the first sample's and 5 more), not with its outputs
+    refused("1", str(disk), rf"and the .* GB of disk in {disk} it may use")
     free[str(disk)] = 1000
     refused("1", str(disk), rf"and the .* GB of disk in {disk} it may use")
     with tmpfs(tmp_path / "memory") as memory:  # 64 MiB free: room for the whole record, were it a disk

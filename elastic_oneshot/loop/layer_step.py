@@ -268,7 +268,7 @@ class LayerStep:
                                       device=self.device) for m in mappings}
         record = {"sums": sums, "tokens": dict.fromkeys(sums, 0), "calls": {m.parent: [] for m in mappings},
                   "samples": {m.parent: [] for m in mappings}, "cache": cache}
-        at, shared = [0], [frozenset()]
+        at, shared, outputs = [0], [frozenset()], {}  # outputs: each parent's output bytes for one sample
 
         def activations(name):
             def hook(_, args, output):
@@ -284,9 +284,16 @@ class LayerStep:
                 record["samples"][parent].append(at[0])
             return hook
 
+        def output(parent):
+            def hook(_, args, y):
+                y = y[0] if isinstance(y, tuple) else y  # as awq.outputs keeps it
+                outputs[parent] = y.numel() * y.element_size()
+            return hook
+
         handles = [module.get_submodule(m.hook).register_forward_hook(activations(m.smooth)) for m in mappings]
         handles += [module.get_submodule(p).register_forward_pre_hook(call(p), with_kwargs=True)
                     for p in record["calls"]]
+        handles += [module.get_submodule(p).register_forward_hook(output(p)) for p in record["calls"]]
         try:
             with timed(seconds, "calibrate"), experts_mode(module, self.all_experts):
                 first = True
@@ -296,23 +303,24 @@ class LayerStep:
                         shared[0] = tensor_ids(kw)
                         module(sample, **kw)
                         if first:
-                            self._record_fits(layer, cache)
+                            self._record_fits(layer, cache, max(outputs.values(), default=0))
                             first = False
         finally:
             for h in handles:
                 h.remove()
         return record
 
-    def _record_fits(self, layer: int, cache: DeviceCache):
-        """Once the first sample is recorded: UsageError if this rank's samples, each recorded as large, would not
-        fit in what the cache may hold and its share of the temporary directory's free space, none if that is in memory
-        (every sample's calls have the same shapes: the whole layer would be spent before the disk filled; every
-        rank on the host records its own at once)."""
-        per_sample, (tmp, room, in_memory) = cache.kept, file_room()
+    def _record_fits(self, layer: int, cache: DeviceCache, reference: int):
+        """Once the first sample is recorded: UsageError if this rank's samples, each recorded as large, with the
+        `reference` bytes of a sample's output that the search keeps per sample (a mapping's at a time, beside what
+        is left of the record), would not fit in what the cache may hold and its share of the temporary directory's
+        free space, none if that is in memory (every sample's calls have the same shapes: the whole layer would be
+        spent before the disk filled; every rank on the host records its own at once)."""
+        per_sample, (tmp, room, in_memory) = cache.kept + reference, file_room()
         own = partition(len(self.chunks), self.world.size, self.world.rank)
         samples = sum(self.chunks[c][1] - self.chunks[c][0] for c in own)
         in_file = 0 if in_memory else cache.on_disk  # a file in memory holds memory
-        memory, disk = cache.left + cache.host_left + per_sample - in_file, room + in_file
+        memory, disk = cache.left + cache.host_left + cache.kept - in_file, room + in_file
         if per_sample * samples <= memory + disk:
             return
         if in_memory:
@@ -324,7 +332,8 @@ class LayerStep:
             room_text = f"the {memory / 1e9:.3g} GB of memory and the {disk / 1e9:.3g} GB of disk in {tmp} it may " \
                 f"use{share}"
         raise UsageError(f"layer {layer}: AWQ's record of its calls on rank {self.world.rank} would take "
-                         f"{per_sample * samples / 1e9:.3g} GB ({samples} samples of {per_sample / 1e9:.3g} GB), "
+                         f"{per_sample * samples / 1e9:.3g} GB ({samples} samples of {per_sample / 1e9:.3g} GB, "
+                         "with the outputs its search keeps), "
                          f"more than {room_text}: run on more ranks (each records its share of the samples), with "
                          f"fewer --num-samples, or with TMPDIR on a{'' if in_memory else ' larger'} disk")
 
