@@ -300,14 +300,19 @@ def test_a_kill_while_the_output_is_swapped_leaves_the_output_in_place(tiny_llam
     assert tree_digest(str(built)) == before  # the previous one, removed by the next export
 
 
-def _publish_traced(out: str, built: str, fingerprint: str, log: str) -> list[str]:
-    """`publish` in a process of its own under strace: its fsyncs, renames and unlinks, in order, paths resolved."""
-    script = "import sys\nfrom elastic_oneshot.durability.destination import open_destination\n" \
-        "open_destination(sys.argv[1]).publish(sys.argv[2], sys.argv[3])"
-    subprocess.run(["strace", "-f", "-y", "-qq", "-o", log, "-e", "trace=fsync,rename,renameat,renameat2,unlinkat",
-                    sys.executable, "-c", script, out, built, fingerprint], check=True, env=one_thread_env())
+def _traced(script: str, log: str, *args: str) -> list[str]:
+    """`script` in a process of its own under strace: its fsyncs, renames, links and unlinks that succeeded, in
+    order, with the paths of their file descriptors."""
+    subprocess.run(["strace", "-f", "-y", "-qq", "-o", log, "-e",
+                    "trace=fsync,rename,renameat,renameat2,link,linkat,unlinkat", sys.executable, "-c", script, *args],
+                   check=True, env=one_thread_env())
     with open(log) as f:
         return [line.split(None, 1)[1] for line in f if line.rstrip().endswith("= 0")]  # (each after its pid)
+
+
+def _synced(call: str) -> str | None:
+    """The path an fsync call names, if it is one."""
+    return call.split("<", 1)[1].split(">", 1)[0] if call.startswith("fsync(") else None
 
 
 def test_the_output_is_on_the_disk_before_it_is_in_place_and_in_place_before_the_previous_one_goes(tiny_llama,
@@ -325,16 +330,39 @@ def test_the_output_is_on_the_disk_before_it_is_in_place_and_in_place_before_the
         else:
             os.rename(out, built)
         files = [os.path.join(folder, name) for folder, _, names in os.walk(built) for name in names]
-        calls = _publish_traced(out, built, fingerprint, str(tmp_path / f"strace-{replacing}.log"))
+        calls = _traced("import sys\nfrom elastic_oneshot.durability.destination import open_destination\n"
+                        "open_destination(sys.argv[1]).publish(sys.argv[2], sys.argv[3])",
+                        str(tmp_path / f"strace-{replacing}.log"), out, built, fingerprint)
         swap = next(i for i, c in enumerate(calls) if c.startswith(("rename", "renameat")) and f'"{built}"' in c)
-        synced = {c.split("<", 1)[1].split(">", 1)[0] for c in calls[:swap] if "fsync(" in c}
+        synced = {_synced(c) for c in calls[:swap]}
         assert set(files) | {built} <= synced, sorted(set(files) | {built} - synced)
-        parent = next((i for i, c in enumerate(calls) if "fsync(" in c and f"<{root}>" in c), None)
+        parent = next((i for i, c in enumerate(calls) if _synced(c) == root), None)
         removed = next((i for i, c in enumerate(calls) if "unlinkat(" in c), len(calls))
         assert parent is not None and swap < parent < removed, calls[swap:]
         assert ("RENAME_EXCHANGE" in calls[swap]) == replacing  # the second is swapped with the first,
         assert (removed < len(calls)) == replacing  # which is removed, last
         assert os.path.exists(os.path.join(out, "elastic-oneshot.json")) and not os.path.exists(built)
+
+
+def test_a_file_url_puts_each_object_on_the_disk_with_its_name(tmp_path):
+    """obstore's local store (--state or --output file:///PATH) renames or links an object into place and fsyncs
+    nothing: each put and upload here fsyncs the object, then its name in every folder up to the root, before it
+    returns (a crash could otherwise leave a commit or a shard named but short)."""
+    root = os.path.join(os.path.realpath(tmp_path), "store")
+    source = tmp_path / "shard.bin"
+    source.write_bytes(os.urandom(3 << 20))
+    calls = _traced("import sys\nfrom elastic_oneshot.durability.storage import ObjectStorage\n"
+                    "store = ObjectStorage(sys.argv[1])\nstore.put('a/b/commit.json', b'{}', exclusive=True)\n"
+                    "store.put('a/event.json', b'{}')\nstore.upload('c/shard.bin', sys.argv[2])",
+                    str(tmp_path / "strace.log"), f"file://{root}", str(source))
+    for rel in ("a/b/commit.json", "a/event.json", "c/shard.bin"):
+        path = os.path.join(root, rel)
+        placed = next(i for i, c in enumerate(calls) if not c.startswith("fsync(") and f'"{path}"' in c)
+        names, folder = [path], path
+        while folder != root:
+            folder = os.path.dirname(folder)
+            names.append(folder)
+        assert set(names) <= {_synced(c) for c in calls[placed:]}, (rel, calls[placed:])
 
 
 @pytest.mark.slow

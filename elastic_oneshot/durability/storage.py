@@ -33,6 +33,7 @@ import re
 import shutil
 import tempfile
 import time
+import urllib.parse
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
@@ -129,7 +130,8 @@ class Storage(abc.ABC):
         return out
 
 
-def _fsync_dir(path: str):
+def _fsync(path: str):
+    """A file, or a directory's names, on the disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -141,12 +143,8 @@ def _fsync_tree(root: str):
     """Every file and directory under `root`, and `root`, on the disk."""
     for folder, _, files in os.walk(root, topdown=False):
         for name in files:
-            fd = os.open(os.path.join(folder, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(folder)
+            _fsync(os.path.join(folder, name))
+        _fsync(folder)
 
 
 def _write_durably(path: str, data: bytes):
@@ -154,7 +152,7 @@ def _write_durably(path: str, data: bytes):
     parent = os.path.dirname(path)
     if not os.path.isdir(parent):
         os.makedirs(parent, exist_ok=True)
-        _fsync_dir(os.path.dirname(parent))
+        _fsync(os.path.dirname(parent))
     with open(path, "wb") as f:
         f.write(data)
         f.flush()
@@ -230,16 +228,16 @@ class LocalStorage(Storage):
             shutil.rmtree(old)
         if os.path.isdir(self.root) and os.listdir(self.root):
             if _exchange(built, self.root):
-                _fsync_dir(parent)
+                _fsync(parent)
                 shutil.rmtree(built)  # the previous one, now there
                 return
             os.replace(self.root, old)
             os.replace(built, self.root)
-            _fsync_dir(parent)
+            _fsync(parent)
             shutil.rmtree(old)
         else:
             os.replace(built, self.root)  # rename(2) also replaces an empty directory
-            _fsync_dir(parent)
+            _fsync(parent)
 
     def put(self, rel: str, data: bytes, exclusive: bool = False):
         path = self.where(rel)
@@ -250,7 +248,7 @@ class LocalStorage(Storage):
             if not exclusive:
                 os.replace(tmp, path)
             if placed:
-                _fsync_dir(os.path.dirname(path))
+                _fsync(os.path.dirname(path))
         except OSError as e:
             with contextlib.suppress(OSError):
                 os.remove(tmp)
@@ -338,7 +336,10 @@ class ObjectStorage(Storage):
 
     def __init__(self, url: str, retry_s: float = RETRY_S):
         self.root, self.given, self.retry_s = url.rstrip("/"), url, retry_s
-        kwargs = {"mkdir": True} if self.root.startswith("file://") else aws_options(self.root)
+        # file://: obstore's local store renames and links into place without fsync; `_settle` does it
+        self.folder = urllib.parse.unquote(urllib.parse.urlparse(self.root).path) \
+            if self.root.startswith("file://") else None
+        kwargs = {"mkdir": True} if self.folder else aws_options(self.root)
         self.store = from_url(self.root, retry_config={"max_retries": 0, "retry_timeout": _seconds(retry_s)},
                               **kwargs)
 
@@ -357,6 +358,7 @@ class ObjectStorage(Storage):
             raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), self.where(rel)) from None
         except (obstore.exceptions.BaseError, OSError) as e:
             raise StorageError(self.where(rel), OSError(errno.EIO, _first_line(e))) from None
+        self._settle(rel)
 
     def upload(self, rel: str, path: str):
         """The local file `path` to `rel`, streamed (a large one in parallel parts), never held in memory whole."""
@@ -364,6 +366,21 @@ class ObjectStorage(Storage):
             self._call(f"put {rel}", obstore.put, self.store, rel, pathlib.Path(path), chunk_size=PART)
         except (obstore.exceptions.BaseError, OSError) as e:
             raise StorageError(self.where(rel), OSError(errno.EIO, _first_line(e))) from None
+        self._settle(rel)
+
+    def _settle(self, rel: str):
+        """On a file:// store, the object just put on the disk, and its name in every folder from its own up to
+        the root (folders obstore made for it included), as a local directory's writes are."""
+        if self.folder is None:
+            return
+        path = os.path.join(self.folder, rel)
+        try:
+            _fsync(path)
+            while path != self.folder and path.startswith(self.folder):
+                path = os.path.dirname(path)
+                _fsync(path)
+        except OSError as e:
+            raise StorageError(self.where(rel), e) from None
 
     def get(self, rel: str, size: int | None = None) -> bytes | None:
         if size is not None and size > PART:
