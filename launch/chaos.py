@@ -221,6 +221,17 @@ class Cluster:
                 raise TimeoutError(f"no progress to {count} commits within {timeout} s")
             time.sleep(0.05)
 
+    def wait_world(self, size: int, commits: int = 1, timeout: float = 300):
+        """Until `commits` layers are committed in epochs of `size` ranks: nodes started together may still begin
+        apart (one that starts late joins the next rendezvous, not the first)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if sum(c["world_size"] == size for c in self.history().commits) >= commits:
+                return
+            if time.monotonic() > deadline or self.done():
+                raise TimeoutError(f"no {commits} commits at world size {size} within {timeout} s")
+            time.sleep(0.05)
+
     def wait_done(self, timeout: float = 600) -> bool:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
