@@ -10,7 +10,8 @@ The recipes are elastic_oneshot/testing/recipes.py's (the parity tests'), with g
 objects in its default pipeline (testing.peer.run_recipe), both in the checkpoint's dtype. Goal (issue 46): ours at
 most 0.8 of the peer's wall, and QuantizationModifier without calibration data (fp8_dynamic) at most the time to read
 and write the model, timed as a process that reads every tensor of the checkpoint and writes them all to a new file
-("read + write").
+("read + write"). Beside it, the data-free recipe's arithmetic alone ("FP8 codes alone": its imports, and the
+codes of every decoder layer's weights, nothing written), for where the floor cannot be met by I/O alone.
 """
 
 import argparse
@@ -34,6 +35,39 @@ def copy_model(model: str, out: str):
     os.makedirs(out, exist_ok=True)
     for name in sorted(f for f in os.listdir(model) if f.endswith(".safetensors")):
         save_file(load_file(os.path.join(model, name)), os.path.join(out, name))
+
+
+def codes_alone(model: str):
+    """The data-free recipe's arithmetic alone: each decoder layer's Linear weights (its 2-D tensors) read and given
+    FP8_DYNAMIC's qparams and codes by the code our run uses (rtn.compress), nothing written: with the imports it
+    needs, what no design that computes the peer's codes on this machine can go below."""
+    import time
+
+    import psutil
+    from compressed_tensors.quantization import preset_name_to_scheme
+    from safetensors import safe_open
+
+    from elastic_oneshot.quantization import rtn
+
+    started = psutil.Process().create_time()
+    imported = time.time() - started  # this process's start and every import (this file's too)
+    scheme, layers = preset_name_to_scheme("FP8_DYNAMIC", ["Linear"]), {}
+    for name in sorted(f for f in os.listdir(model) if f.endswith(".safetensors")):
+        with safe_open(os.path.join(model, name), "pt") as f:
+            for key in f.keys():
+                if key.startswith("model.layers.") and len(f.get_slice(key).get_shape()) == 2:
+                    layers.setdefault(int(key.split(".")[2]), {})[key] = (name, key)
+    seconds = 0.0
+    for layer in sorted(layers):
+        weights = {}
+        for key, (name, _) in layers[layer].items():
+            with safe_open(os.path.join(model, name), "pt") as f:
+                weights[key] = f.get_tensor(key)
+        t = time.perf_counter()
+        rtn.compress(weights, dict.fromkeys(weights, scheme), ())
+        seconds += time.perf_counter() - t
+    print(f"start and imports {imported:.1f} s, codes {seconds:.1f} s over {len(layers)} layers, reads "
+          f"{time.time() - started - imported - seconds:.1f} s")
 
 
 def synthetic_llama(path: str) -> str:
@@ -81,6 +115,7 @@ def main():
     p.add_argument("--workdir", default="bench-work/recipes")
     p.add_argument("--peer-child", nargs=3, metavar=("RECIPE", "MODEL", "OUT"), help=argparse.SUPPRESS)
     p.add_argument("--copy-child", nargs=2, metavar=("MODEL", "OUT"), help=argparse.SUPPRESS)
+    p.add_argument("--codes-child", metavar="MODEL", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.peer_child:
         from elastic_oneshot.testing.peer import run_recipe
@@ -89,6 +124,8 @@ def main():
         return run_recipe(model, out, a.samples, a.seq_len, peer_recipe(name, group=GROUP), dtype="auto")
     if a.copy_child:
         return copy_model(*a.copy_child)
+    if a.codes_child:
+        return codes_alone(a.codes_child)
 
     from elastic_oneshot.models.default_model import default_model
 
@@ -98,6 +135,11 @@ def main():
     print(f"model {model}\n{a.samples} samples x {a.seq_len} tokens, {os.cpu_count()} cores", flush=True)
     rows = {"read + write": measure([sys.executable, __file__, "--copy-child", model, _fresh(a.workdir, "copy")],
                                     os.path.join(a.workdir, "copy.log"))}
+    if set(names) & set(DATA_FREE):  # what the data-free goal leaves for everything but the arithmetic
+        log = os.path.join(a.workdir, "codes.log")
+        rows["codes alone"] = measure([sys.executable, __file__, "--codes-child", model], log)
+        with open(log) as f:
+            rows["codes alone split"] = f.read().strip()
     for name in names:
         rows[name] = (*_ours(a, model, name), *_peer(a, model, name))
         print(f"{name}: ours {rows[name][0]:.1f} s, peer {rows[name][2]:.1f} s", flush=True)
@@ -137,6 +179,9 @@ def _table(rows: dict, names: list[str]):
         print(f"{name:20}{wall_o:9.1f}{wall_p:9.1f}{wall_o / wall_p:7.3f}{rss_o:9.2f}{rss_p:9.2f}{rss_o / rss_p:7.3f}"
               f"{goal}")
     print(f"{'read + write':20}{copy_wall:9.1f}{'':16}{copy_rss:9.2f}")
+    if "codes alone" in rows:
+        wall, rss = rows["codes alone"]
+        print(f"{'FP8 codes alone':20}{wall:9.1f}{'':16}{rss:9.2f}   ({rows['codes alone split']}; no writes)")
 
 
 if __name__ == "__main__":
