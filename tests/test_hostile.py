@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from elastic_oneshot import oneshot
 from elastic_oneshot.durability import destination as destination_module
+from elastic_oneshot.durability import storage as storage_module
 from elastic_oneshot.durability.destination import open_destination
 from elastic_oneshot.durability.state import read_events
 from elastic_oneshot.models.source import SourceModel
@@ -342,6 +343,15 @@ def test_the_output_is_on_the_disk_before_it_is_in_place_and_in_place_before_the
         assert ("RENAME_EXCHANGE" in calls[swap]) == replacing  # the second is swapped with the first,
         assert (removed < len(calls)) == replacing  # which is removed, last
         assert os.path.exists(os.path.join(out, "elastic-oneshot.json")) and not os.path.exists(built)
+
+
+def test_a_directory_that_cannot_be_fsynced_is_let_be_and_a_file_is_not():
+    """procfs answers fsync with EINVAL, as some network and FUSE filesystems answer it for a directory: the
+    export must not fail there after the whole run for want of what the filesystem does not offer; a file whose
+    data cannot be made durable still fails."""
+    storage_module._fsync("/proc")
+    with pytest.raises(OSError, match="Invalid argument"):
+        storage_module._fsync("/proc/self/status")
 
 
 def test_a_file_url_puts_each_object_on_the_disk_with_its_name(tmp_path):

@@ -131,10 +131,14 @@ class Storage(abc.ABC):
 
 
 def _fsync(path: str):
-    """A file, or a directory's names, on the disk."""
+    """A file, or a directory's names, on the disk. A filesystem that cannot fsync a directory (EINVAL: some network
+    and FUSE ones) is let be, as databases let it: its names are as durable as it makes them."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
+    except OSError as e:
+        if not (e.errno == errno.EINVAL and os.path.isdir(path)):
+            raise
     finally:
         os.close(fd)
 
