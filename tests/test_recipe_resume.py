@@ -144,7 +144,8 @@ def test_a_usage_error_under_torchrun_is_not_restarted(when, model, tmp_path):
     """torchrun restarts a failed group up to --max-restarts times, whatever its exit code: a recipe refused before
     any work, or AWQ's record refused after a layer's first sample on both ranks (the second one's refusal finding
     the first rank gone, or in a collective), would be refused again after every restart. The worker ends its
-    agent instead: each rank's line once, and torchrun ends."""
+    agent instead: each rank's line at most once (a rank that the agent stops before it refuses prints none), and
+    torchrun ends."""
     recipe = tmp_path / "recipe.yaml"
     if when == "before any work":
         recipe.write_text("recipe_stage:\n  recipe_modifiers:\n    QuIPModifier: {}\n")
@@ -165,6 +166,6 @@ def test_a_usage_error_under_torchrun_is_not_restarted(when, model, tmp_path):
             subprocess.run(["umount", memory], check=True)
     print(f"\n{when}: torchrun ended after {time.monotonic() - start:.1f} s")
     lines = [text for text in proc.stderr.splitlines() if text.startswith("elastic-oneshot: error: ")]
-    assert proc.returncode != 0 and len(lines) == 2 and all(line in text for text in lines), proc.stderr[-3000:]
+    assert proc.returncode != 0 and 1 <= len(lines) <= 2 and all(line in text for text in lines), proc.stderr[-3000:]
     assert proc.stderr.count("a usage error is not retried: ending torchrun's agent") == 1
     assert not list((tmp_path / "out.state").rglob("commits/*.json"))
