@@ -291,7 +291,7 @@ def reference(etcd, deep_llama, tmp_path_factory):
 def test_two_nodes_complete_a_job_with_its_state_in_etcd(reference, tmp_path):
     print(f"\ntwo nodes, {LAYERS} layers, state in etcd: {reference.seconds:.1f} s")
     starts = [e for e in reference.events() if e["event"] == "start"]
-    assert [e["world_size"] for e in starts] == [2], starts
+    assert starts[-1]["world_size"] == 2, starts  # (a node that starts late joins the second rendezvous)
     progress = EtcdRecords.from_url(reference.url).progress()
     assert (progress["layers_committed"], progress["layers_total"], progress["done"]) == (LAYERS, LAYERS, True)
     assert not (reference.state / "commits").exists() and not (reference.state / "epochs").exists()
