@@ -56,13 +56,11 @@ def codes_alone(model: str):
         with safe_open(os.path.join(model, name), "pt") as f:
             for key in f.keys():
                 if key.startswith("model.layers.") and len(f.get_slice(key).get_shape()) == 2:
-                    layers.setdefault(int(key.split(".")[2]), {})[key] = (name, key)
+                    layers.setdefault(int(key.split(".")[2]), {})[key] = name
+    files = {name: safe_open(os.path.join(model, name), "pt") for names in layers.values() for name in names.values()}
     seconds = 0.0
     for layer in sorted(layers):
-        weights = {}
-        for key, (name, _) in layers[layer].items():
-            with safe_open(os.path.join(model, name), "pt") as f:
-                weights[key] = f.get_tensor(key)
+        weights = {key: files[name].get_tensor(key) for key, name in layers[layer].items()}
         t = time.perf_counter()
         rtn.compress(weights, dict.fromkeys(weights, scheme), ())
         seconds += time.perf_counter() - t

@@ -214,22 +214,17 @@ class Cluster:
     def done(self) -> bool:
         return os.path.isfile(os.path.join(self.output, "config.json"))
 
-    def wait_commits(self, count: int, timeout: float = 300):
+    def wait_commits(self, count: int, timeout: float = 300, world_size: int | None = None):
+        """Until `count` layers are committed, or the job is done; with `world_size`, `count` committed in epochs of
+        that many ranks, the job's end before them an error (nodes started together may still begin apart: one that
+        starts late joins the next rendezvous, not the first)."""
         deadline = time.monotonic() + timeout
-        while self.commits() < count and not self.done():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no progress to {count} commits within {timeout} s")
-            time.sleep(0.05)
-
-    def wait_world(self, size: int, commits: int = 1, timeout: float = 300):
-        """Until `commits` layers are committed in epochs of `size` ranks: nodes started together may still begin
-        apart (one that starts late joins the next rendezvous, not the first)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            if sum(c["world_size"] == size for c in self.history().commits) >= commits:
+        while (got := sum(world_size in (None, c["world_size"]) for c in self.history().commits)) < count:
+            if self.done() and world_size is None:
                 return
             if time.monotonic() > deadline or self.done():
-                raise TimeoutError(f"no {commits} commits at world size {size} within {timeout} s")
+                raise TimeoutError(f"{got} of {count} commits{f' at world size {world_size}' if world_size else ''} "
+                                   f"within {timeout} s")
             time.sleep(0.05)
 
     def wait_done(self, timeout: float = 600) -> bool:

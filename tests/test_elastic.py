@@ -53,7 +53,7 @@ def test_two_nodes_one_killed_finishes_at_one(model, reference, tmp_path, cluste
     held; the result is the uninterrupted W=1 run's, byte for byte."""
     cluster = clusters(str(tmp_path), model, [*JOB, "--boundary-every", 3], max_nodes=2, collective_timeout=TIMEOUT)
     nodes = [cluster.add_node(), cluster.add_node()]
-    cluster.wait_world(2, commits=4)
+    cluster.wait_commits(4, world_size=2)
     victim = next(n for n in nodes if 0 not in n.workers())
     victim.signal_all(signal.SIGKILL)
     finish(cluster, reference)

@@ -66,7 +66,7 @@ def test_a_network_fault_on_two_nodes(kind, object_store, model, reference, fabr
     cluster = clusters(str(tmp_path), model, JOB, max_nodes=2, collective_timeout=TIMEOUT, network=fabric,
                        object_store=object_store)
     cluster.add_node(), cluster.add_node()
-    cluster.wait_world(2, commits=2)
+    cluster.wait_commits(2, world_size=2)
     epoch, at = cluster.epoch(), time.time()
     print(f"\n{kind} on {inject(cluster, kind, random.Random(0), stop_s=HOLD)} for {HOLD} s")
     assert cluster.wait_progress(after_epoch=epoch if kind.startswith("partition") else -1, after_time=at)

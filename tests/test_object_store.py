@@ -304,7 +304,7 @@ def test_two_nodes_one_killed_the_survivor_finishes(s3, llama4, w1_reference, tm
                       collective_timeout=10, state_url=f"s3://{BUCKET}/nodes-{int(rank0)}")
     try:
         nodes = [cluster.add_node(), cluster.add_node()]
-        cluster.wait_world(2)
+        cluster.wait_commits(1, world_size=2)
         victim = next(n for n in nodes if (0 in n.workers()) == rank0)
         victim.signal_all(signal.SIGKILL)
         assert cluster.wait_done(timeout=300), "the job did not finish"
@@ -312,7 +312,7 @@ def test_two_nodes_one_killed_the_survivor_finishes(s3, llama4, w1_reference, tm
         cluster.close()
     worlds = [e["world_size"] for e in cluster.events() if e["event"] == "start"]
     print(f"\nworld sizes {worlds}")
-    assert worlds[-1] == 1  # (after an epoch of 2 that committed: wait_world)
+    assert worlds[-1] == 1  # (after an epoch of 2 that committed: wait_commits)
     assert tree_digest(cluster.output) == w1_reference
 
 
