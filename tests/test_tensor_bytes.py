@@ -38,6 +38,21 @@ def test_the_bytes_are_safetensors_own():
     assert tensor_bytes.save({}).tobytes() == save({})
 
 
+def test_with_metadata_the_bytes_are_safetensors_own_and_known_by_their_header():
+    """With the metadata every state file and checkpoint shard carries: safetensors' bytes; `saved_as` tells them
+    from bytes with other names, dtypes, metadata or length, from their header alone."""
+    tensors = every_kind()
+    theirs = save({k: v.contiguous() for k, v in tensors.items()}, metadata=tensor_bytes.METADATA)
+    assert tensor_bytes.save(tensors, tensor_bytes.METADATA).tobytes() == theirs
+    assert tensor_bytes.saved_as(theirs, tensors, tensor_bytes.METADATA)
+    renamed = {f"x.{k}": v for k, v in tensors.items()}
+    retyped = {**tensors, "transposed": tensors["transposed"].double()}
+    for data, held, metadata in ((theirs, tensors, None), (theirs, renamed, tensor_bytes.METADATA),
+                                 (theirs, retyped, tensor_bytes.METADATA), (theirs + b"\0", tensors,
+                                                                           tensor_bytes.METADATA)):
+        assert not tensor_bytes.saved_as(data, held, metadata)
+
+
 def test_bytes_load_back_as_views_of_themselves():
     """`load` gives the tensors of safetensors' bytes back, as views of those bytes, not copies."""
     tensors = every_kind()

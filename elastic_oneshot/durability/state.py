@@ -75,7 +75,7 @@ def save_tensors(tensors: dict[str, torch.Tensor]) -> memoryview:
     first use: a restart reads ahead before it (read_ahead.py)."""
     from elastic_oneshot.durability import tensor_bytes
 
-    return tensor_bytes.save(tensors)
+    return tensor_bytes.save(tensors, tensor_bytes.METADATA)
 
 
 def load_tensors(data: bytes) -> dict[str, torch.Tensor]:

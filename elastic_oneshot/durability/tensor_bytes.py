@@ -19,28 +19,44 @@ import torch
 from safetensors.torch import _TYPES
 
 _NAMES = {dtype: name for name, dtype in _TYPES.items()}  # safetensors' own dtype names
+METADATA = {"format": "pt"}  # what every file of the state and the checkpoint says it holds, as transformers writes
 # The order of safetensors' Dtype, by which its writer lays out the tensors (the largest first, then by name).
 _ORDER = ("BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E4M3FNUZ", "F8_E5M2FNUZ", "I16", "U16", "F16", "BF16", "I32",
           "U32", "F32", "C64", "F64", "I64", "U64")
 
 
-def save(tensors: dict[str, torch.Tensor]) -> memoryview:
-    """`safetensors.torch.save(tensors)`'s bytes (no metadata), in a buffer of their own."""
+def save(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> memoryview:
+    """`safetensors.torch.save(tensors, metadata)`'s bytes, in a buffer of their own."""
+    entries, text = _layout(tensors, metadata)
+    out = numpy.empty(len(text) + sum(t.nbytes for _, t in entries), dtype=numpy.uint8)
+    out[:len(text)] = numpy.frombuffer(text, dtype=numpy.uint8)
+    at = len(text)
+    for _, t in entries:
+        if t.nbytes:
+            numpy.copyto(out[at:at + t.nbytes], t.detach().cpu().reshape(-1).view(torch.uint8).numpy())
+            at += t.nbytes
+    return memoryview(out)
+
+
+def saved_as(data: bytes | memoryview, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None) -> bool:
+    """Whether `data`, safetensors bytes that hold exactly `tensors`' bytes, are `save(tensors, metadata)`: the same
+    header (names, dtypes, shapes, order, metadata), checked without a copy of the data."""
+    text = _layout(tensors, metadata)[1]
+    return bytes(memoryview(data)[:len(text)]) == text and len(data) == len(text) + sum(t.nbytes for t in
+                                                                                         tensors.values())
+
+
+def _layout(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None) -> tuple[list, bytes]:
+    """The tensors in the order safetensors' writer lays them out, and the bytes before their data (the header's
+    length, the header, its padding)."""
     entries = sorted(tensors.items(), key=lambda item: (-_ORDER.index(_NAMES[item[1].dtype]), item[0]))
-    header, end = {}, 0
+    header, end = {} if metadata is None else {"__metadata__": metadata}, 0
     for name, t in entries:
         header[name] = {"dtype": _NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [end, end + t.nbytes]}
         end += t.nbytes
     text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
     text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors pads it
-    out = numpy.empty(8 + len(text) + end, dtype=numpy.uint8)
-    out[:8 + len(text)] = numpy.frombuffer(struct.pack("<Q", len(text)) + text, dtype=numpy.uint8)
-    data = out[8 + len(text):]
-    for name, t in entries:
-        start, stop = header[name]["data_offsets"]
-        if stop > start:
-            numpy.copyto(data[start:stop], t.detach().cpu().reshape(-1).view(torch.uint8).numpy())
-    return memoryview(out)
+    return entries, struct.pack("<Q", len(text)) + text
 
 
 def load(data: bytes | memoryview) -> dict[str, torch.Tensor]:
