@@ -7,13 +7,12 @@ import subprocess
 import sys
 
 import torch
-from safetensors.torch import load_file
 
 from elastic_oneshot.durability.coordinator import open_records
 from elastic_oneshot.durability.protocol import CommitProtocol
 from elastic_oneshot.durability.state import StateStore
 from elastic_oneshot.testing.recipes import recipe_yaml
-from elastic_oneshot.testing.runs import CLI, start_cli
+from elastic_oneshot.testing.runs import CLI, checkpoint_tensors, start_cli
 
 # transformers 5.17 loads none of these formats for Qwen3-MoE's experts stored one by one (nor the peer's output: it
 # fails to convert them, or leaves the experts missing): our run refuses them before any work, so their parity is
@@ -66,7 +65,7 @@ def codes(tensors: dict) -> dict:
 
 
 def checkpoint(path) -> dict:
-    return load_file(os.path.join(path, "model.safetensors"))
+    return checkpoint_tensors(path)
 
 
 def committed(state_dir) -> dict:

@@ -2,6 +2,7 @@
 one of its passes, then resumed at another world size (torchrun, gloo), writes the uninterrupted W=1 run's bytes.
 A resume inside the last pass replays its committed layers with the earlier passes' decisions applied."""
 
+import json
 import os
 import signal
 import subprocess
@@ -81,6 +82,53 @@ def test_killed_in_a_pass_then_resumed_at_another_world_size(model, reference, t
     print(f"\n{name}: killed at W=2 with {len(done)} of {LAYERS} layers of {folder or 'the last pass'} committed")
     assert "belongs to this job: resuming" in run_at(resumed, *args).stderr
     assert_same_bits(out, reference(name))
+
+
+# Rank 0 killed (kill -9) as soon as it has committed layer 3; its agent then stops the other rank.
+KILLED_AFTER_LAYER_3 = """import os, signal
+from elastic_oneshot.durability.protocol import CommitProtocol
+from elastic_oneshot.surface import cli
+commit = CommitProtocol.commit
+def killed(self, layer, *args):
+    commit(self, layer, *args)
+    if layer == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+CommitProtocol.commit = killed
+cli.entry()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_data_free_job_resumed_at_one_rank_links_what_it_commits_alone(model, reference, tmp_path):
+    """FP8_DYNAMIC (no forward): killed at W=2 once 4 of its 8 layers are committed (each in a file a rank), then
+    resumed at W=1, it writes the uninterrupted W=1 run's bytes; in both, a layer committed in one file (at W=1) is
+    that file in the checkpoint, a hard link into the state (written once), and the others' shards are written."""
+    recipe, out, state = tmp_path / "recipe.yaml", tmp_path / "out", tmp_path / "state"
+    recipe.write_text(recipe_yaml("fp8_dynamic"))
+    args = ["--model", model, "--recipe", recipe, "--output", out, "--state", state, *JOB]
+    (tmp_path / "killed.py").write_text(KILLED_AFTER_LAYER_3)
+    killed = subprocess.run(torchrun_cmd(2, "run", *args, program=[tmp_path / "killed.py"]), capture_output=True,
+                            text=True, env=one_thread_env())
+    assert killed.returncode != 0 and not out.exists(), killed.stderr[-3000:]
+    assert sorted(os.listdir(state / "commits")) == [f"{layer:05d}.e00001.json" for layer in range(4)]
+    assert "belongs to this job: resuming" in run_at(1, *args).stderr
+    assert_same_bits(out, reference("fp8_dynamic"))
+
+    def linked(checkpoint, state) -> list[int]:
+        """The layers whose shard in `checkpoint` is a file of `state`, each alone in its shard."""
+        files = {os.stat(p).st_ino for p in state.rglob("*.safetensors")}
+        shards = json.loads((checkpoint / "model.safetensors.index.json").read_text())["weight_map"]
+        layers = {}
+        for name, shard in shards.items():
+            if name.startswith("model.layers.") and os.stat(checkpoint / shard).st_ino in files:
+                layers.setdefault(shard, set()).add(int(name.split(".")[2]))
+        assert all(len(v) == 1 for v in layers.values()), layers
+        return sorted(layer for v in layers.values() for layer in v)
+
+    assert linked(reference("fp8_dynamic"), reference("fp8_dynamic").parent / "out.state") == list(range(LAYERS))
+    # layer 4's solved files, written at W=2 before the kill or not, are reused or solved again at W=1
+    assert linked(out, state) in ([5, 6, 7], [4, 5, 6, 7])
 
 
 @pytest.mark.slow

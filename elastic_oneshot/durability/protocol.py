@@ -90,36 +90,38 @@ class CommitProtocol:
             self._commits[layer, epoch] = manifest
         return self._commits[layer, epoch]
 
-    def tensors(self, layer: int, views: bool = False) -> dict[str, torch.Tensor]:
-        """The compressed tensors of a layer in `view`: from the bytes `verified` read back (once), else read now
-        and checked against their digests. CorruptStateError if they do not match, or the commit is missing: the
-        layer is then damaged, and the next `verified` leaves it out. With `views`, read-only views of the bytes
-        read (tensor_bytes.load), for a reader that only writes them out (the export)."""
-        epoch, out = self.view[layer], {}
+    def tensors(self, layer: int) -> dict[str, torch.Tensor]:
+        """The compressed tensors of a layer in `view` (`files`)."""
+        return {name: t for _, data in self.files(layer) for name, t in load_tensors(data).items()}
+
+    def files(self, layer: int) -> list[tuple[dict, bytes]]:
+        """The weight files of a layer in `view`, each as (its record, its bytes): from the bytes `verified` read
+        back (once), else read now and checked against their digests. CorruptStateError if they do not match, or
+        the commit is missing: the layer is then damaged, and the next `verified` leaves it out."""
+        epoch = self.view[layer]
         try:
             manifest = self.manifest_of(layer, epoch)
             if manifest is None:
                 raise CorruptStateError(f"the commit of layer {layer} in epoch {epoch} is missing")
-            for record in manifest["weights"]:
-                out.update(self.read_tensors(record, views))
+            return [(record, self._bytes(record)) for record in manifest["weights"]]
         except CorruptStateError as e:
             self._damaged[layer, epoch] = str(e)
             raise
-        return out
 
     def damaged(self, layer: int, reason: str):
         """Layer `layer` of `view` was found damaged elsewhere (a replay on any rank): the next `verified` leaves it
         out."""
         self._damaged[layer, self.view[layer]] = reason
 
-    def read_tensors(self, record: dict, views: bool = False) -> dict[str, torch.Tensor]:
-        """The tensors of a weight file: from the bytes `verified` or `solved` read back (used once), else read
-        now against its digest (CorruptStateError); with `views`, as views of those bytes (`tensors`)."""
-        from elastic_oneshot.durability import tensor_bytes  # torch: imported on first use
+    def read_tensors(self, record: dict) -> dict[str, torch.Tensor]:
+        """The tensors of a weight file (`_bytes`)."""
+        return load_tensors(self._bytes(record))
 
+    def _bytes(self, record: dict) -> bytes:
+        """A weight file's bytes: those `verified` or `solved` read back (used once), else read now against its
+        digest (CorruptStateError)."""
         data = self._read.pop(record["path"], None)
-        data = self.state.read_bytes(record) if data is None else data
-        return tensor_bytes.load(data) if views else load_tensors(data)
+        return self.state.read_bytes(record) if data is None else data
 
     def _verify(self, manifest: dict | None, layer: int, epoch: int, listed: dict, deep: bool = False) -> dict:
         """`manifest`, the records' commit of `layer` in `epoch`, if it exists and its weight files check out:

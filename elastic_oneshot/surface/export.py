@@ -9,9 +9,12 @@ go out in name order, in which each decoder layer's names are contiguous; each c
 digests, when the walk reaches it, and each shard is written as soon as it is full, under a temporary name until
 their count is known. At most one layer and one shard are held. At the end of a run this is the one read of the
 compressed model, and the run's last check (`Export`): a layer damaged since its commit is redone, then exported.
+A job without calibration data, whose cost is its I/O, is laid out a shard per layer instead, so that a layer's
+commit can be its shard, linked rather than written again (`_by_layer`).
 """
 
 import contextlib
+import dataclasses
 import errno
 import heapq
 import json
@@ -25,6 +28,7 @@ from compressed_tensors.compressors import ModelCompressor
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
+from elastic_oneshot.durability import tensor_bytes
 from elastic_oneshot.durability.destination import MARKER, Destination, write_marker
 from elastic_oneshot.durability.protocol import CommitProtocol
 from elastic_oneshot.durability.records import Records
@@ -91,21 +95,30 @@ class Export:
         shutil.rmtree(self.partial, ignore_errors=True)  # an earlier attempt's, whose damaged layers are redone
         read: set[int] = set()
 
-        def layer_tensors(layer: int) -> dict:
+        def layer_files(layer: int) -> list[tuple[dict, bytes]]:
             read.add(layer)
             try:
-                return protocol.tensors(layer, views=True)
+                return protocol.files(layer)
             except CorruptStateError as e:
                 if self.repair:
                     raise
                 raise UsageError(f"layer {layer} failed verification ({e}): rerun `elastic-oneshot run`") from None
 
+        def layer_tensors(layer: int) -> dict:
+            return {name: t for _, data in layer_files(layer) for name, t in tensor_bytes.load(data).items()}
+
+        local = protocol.state.local is not None
         try:
             with _writing(self.partial):
                 os.makedirs(self.partial)
                 write_marker(self.partial, self.fingerprint, [])  # an interrupted export is known as ours
-            _write_weights(self.partial, _tensors(self.source, _starts(self.source, self.schemes, self.num_layers),
-                                                  layer_tensors))
+            if self.job.recipe.calibrates:
+                out = shards(_tensors(self.source, _starts(self.source, self.schemes, self.num_layers),
+                                      layer_tensors), SHARD_BYTES)
+            else:
+                out = _by_layer(self.source, self.num_layers, layer_files,
+                                lambda record: protocol.state.path(record["path"]) if local else None)
+            _write_weights(self.partial, out)
             if content.stats() != stats:
                 raise UsageError(f"the model's files changed during the export ({self.source.path}): export again "
                                  "once they are settled")
@@ -231,7 +244,7 @@ def _tensors(source: SourceModel, starts: dict[int, str],
                 stored = source.stored_name(key)
                 pending[stored] = tensor
                 heapq.heappush(heap, stored)
-                replaced.add(stored if stored in source.weight_map else stored.rsplit(".", 1)[0] + ".weight")
+                replaced.add(_replaced(source, stored))
         if heap and (name is None or heap[0] < name):
             out = heapq.heappop(heap)
             tensor = pending.pop(out)
@@ -246,6 +259,45 @@ def _tensors(source: SourceModel, starts: dict[int, str],
             raise RuntimeError(f"export: {out} would follow {last}")
         last = out
         yield out, tensor
+
+
+def _replaced(source: SourceModel, stored: str) -> str:
+    """The source's tensor that a committed one (by stored name) replaces: itself where the source holds it (a
+    folded norm, a pruned weight, an FP8 weight), else its module's weight (weight_packed, weight_scale)."""
+    return stored if stored in source.weight_map else stored.rsplit(".", 1)[0] + ".weight"
+
+
+@dataclasses.dataclass
+class _Made:
+    """A shard whose bytes are made: `data`, holding `tensors`; `link`, a file that holds the same bytes (a layer's
+    weight file in a state on this machine), put in place by a hard link where the filesystem allows."""
+
+    data: bytes | memoryview
+    tensors: dict[str, torch.Tensor]
+    link: str | None
+
+
+def _by_layer(source: SourceModel, num_layers: int, layer_files: Callable[[int], list[tuple[dict, bytes]]],
+              local: Callable[[dict], str | None]) -> Iterator[dict | _Made]:
+    """The shards of a data-free job's checkpoint, written once: each decoder layer's committed tensors (by
+    `layer_files`, each file as (record, bytes)) in a shard of its own, then the source's other tensors in name order,
+    in shards of SHARD_BYTES. A layer committed in one weight file whose bytes are its shard's (one rank computed it
+    in one go, under the names the source stores) is that file, linked where `local` gives its path; any other's
+    shard is made of its tensors, the same bytes. So the layout and the bytes depend on the job alone, not on the
+    world size or the interruptions that committed the layers."""
+    replaced = set()
+    for layer in range(num_layers):
+        files = layer_files(layer)
+        tensors = {source.stored_name(name): t for _, data in files for name, t in tensor_bytes.load(data).items()}
+        replaced.update(_replaced(source, name) for name in tensors)
+        if len(files) == 1 and tensor_bytes.saved_as(files[0][1], tensors, tensor_bytes.METADATA):
+            yield _Made(files[0][1], tensors, local(files[0][0]))
+        else:
+            data = tensor_bytes.save(tensors, tensor_bytes.METADATA)
+            yield _Made(data, tensor_bytes.load(data), None)
+        del files, tensors  # before the next layer is read
+    yield from shards(((name, source.read_stored([name])[name]) for name in sorted(source.weight_map)
+                       if name not in replaced), SHARD_BYTES)
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -267,18 +319,22 @@ def shards(tensors: Iterable[tuple[str, object]], limit: int, size: Callable = _
     yield current
 
 
-def _write_weights(directory: str, tensors: Iterable[tuple[str, torch.Tensor]]):
-    """The checkpoint's tensors (in name order) in shards of SHARD_BYTES, each written as soon as it is full,
-    under a temporary name until the count is known; an index if more than one."""
+def _write_weights(directory: str, written_shards: Iterable[dict | _Made]):
+    """The checkpoint's shards (each a dict of tensors, or made: `_Made`), each written as soon as it comes, under a
+    temporary name until the count is known; an index if more than one."""
     written, weight_map, total = [], {}, 0
-    for shard in shards(tensors, SHARD_BYTES):
+    for shard in written_shards:
         written.append(os.path.join(directory, f"model-{len(written) + 1:05d}.safetensors.partial"))
         with _writing(directory):
-            save_file(shard, written[-1], metadata={"format": "pt"})
-            _user_mode(written[-1])
-        weight_map.update(dict.fromkeys(shard, len(written)))
-        total += sum(_nbytes(t) for t in shard.values())
-        del shard  # before the next one is gathered
+            if isinstance(shard, _Made):
+                _place(shard, written[-1])
+            else:
+                save_file(shard, written[-1], metadata=tensor_bytes.METADATA)
+                _user_mode(written[-1])
+        tensors = shard.tensors if isinstance(shard, _Made) else shard
+        weight_map.update(dict.fromkeys(tensors, len(written)))
+        total += sum(_nbytes(t) for t in tensors.values())
+        del shard, tensors  # before the next one is gathered
     count = len(written)
     names = ["model.safetensors"] if count == 1 else \
         [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
@@ -290,3 +346,19 @@ def _write_weights(directory: str, tensors: Iterable[tuple[str, torch.Tensor]]):
                 json.dump({"metadata": {"total_size": total}, "weight_map": {n: names[i - 1] for n, i in
                                                                              weight_map.items()}},
                           f, indent=2, sort_keys=True)
+
+
+def _place(shard: _Made, path: str):
+    """`shard` at `path`: a hard link to its file where there is one and the filesystem and its owner allow (the
+    bytes are then on the disk once, for the state and the checkpoint), else its bytes written."""
+    if shard.link is not None:
+        try:
+            os.link(shard.link, path)
+            _user_mode(path)
+            return
+        except OSError:  # another filesystem, or a file this user may not link or change
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+    with open(path, "wb") as f:
+        f.write(shard.data)
+    _user_mode(path)

@@ -142,9 +142,18 @@ def tree_digest(root) -> dict[str, str]:
     return out
 
 
+def checkpoint_tensors(path) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint in `path`, from all its shards."""
+    out = {}
+    for fname in sorted(os.listdir(path)):
+        if fname.endswith(".safetensors"):
+            out.update(load_file(os.path.join(path, fname)))
+    return out
+
+
 def int_codes(path):
     """The W4 checkpoint's int codes by packed tensor name, and all its tensors."""
-    tensors = load_file(os.path.join(path, "model.safetensors"))
+    tensors = checkpoint_tensors(path)
     return {k: unpack_from_int32(v, 4, tensors[k.replace("_packed", "_shape")])
             for k, v in tensors.items() if k.endswith("weight_packed")}, tensors
 
@@ -163,15 +172,14 @@ def assert_same_bits(out, reference):
     a, b = tree_digest(out), tree_digest(reference)
     if a != b:
         differ = ", ".join(sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k)))
-        packed = "model.safetensors" in a.keys() & b.keys() and int_codes(out)[0]
+        packed = any(k.endswith(".safetensors") for k in a.keys() & b.keys()) and int_codes(out)[0]
         shared = f"; {same_codes(out, reference):.4%} of int codes identical" if packed else ""
         raise AssertionError(f"{out} is not {reference}, byte for byte: {differ} differ{shared}")
 
 
 def packed_modules(checkpoint: str) -> set[str]:
     """The modules a compressed checkpoint holds packed (weight_packed), by its names."""
-    with safe_open(os.path.join(checkpoint, "model.safetensors"), "pt") as f:
-        return {k.removesuffix(".weight_packed") for k in f.keys() if k.endswith(".weight_packed")}
+    return {k.removesuffix(".weight_packed") for k in checkpoint_tensors(checkpoint) if k.endswith(".weight_packed")}
 
 
 def assert_solved(out: str, quantized: set[str]):
