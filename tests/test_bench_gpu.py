@@ -74,6 +74,7 @@ def test_bench_gpu_tiny_recipes(tmp_path):
         assert f"llama3-8b, {r} on cpu" in proc.stdout and results[f"llama3-8b-{r}"]["ours"]["rss_bytes"] > 0
     floors = [r for r in recipes if "read_write_wall" in results[f"llama3-8b-{r}"]]  # the data-free one's goal
     assert floors == ["fp8_dynamic"] and results["llama3-8b-fp8_dynamic"]["read_write_ratio"] > 0
+    assert results["llama3-8b-fp8_dynamic"]["read_write_fsync_ratio"] > 0
     if peer_available():
         assert results["llama3-8b-awq_w4a16_asym"]["identical"] == 1.0  # bfloat16 AWQ: the peer's choices
         assert results["llama3-8b-sparse_2of4_fp8"]["identical"] >= 0.85  # layer 0's exact; layer 1 in bfloat16
