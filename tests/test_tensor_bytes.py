@@ -45,11 +45,12 @@ def test_with_metadata_the_bytes_are_safetensors_own_and_known_by_their_header()
     theirs = save({k: v.contiguous() for k, v in tensors.items()}, metadata=tensor_bytes.METADATA)
     assert tensor_bytes.save(tensors, tensor_bytes.METADATA).tobytes() == theirs
     assert tensor_bytes.saved_as(theirs, tensors, tensor_bytes.METADATA)
-    renamed = {f"x.{k}": v for k, v in tensors.items()}
-    retyped = {**tensors, "transposed": tensors["transposed"].double()}
-    for data, held, metadata in ((theirs, tensors, None), (theirs, renamed, tensor_bytes.METADATA),
-                                 (theirs, retyped, tensor_bytes.METADATA), (theirs + b"\0", tensors,
-                                                                           tensor_bytes.METADATA)):
+    # each as long as the file, but for the last two
+    renamed = {k.replace("transposed", "transposeD"): v for k, v in tensors.items()}
+    reshaped = {**tensors, "transposed": tensors["transposed"].reshape(2, 10)}
+    for data, held, metadata in ((theirs, tensors, {"format": "tf"}), (theirs, renamed, tensor_bytes.METADATA),
+                                 (theirs, reshaped, tensor_bytes.METADATA), (theirs, tensors, None),
+                                 (theirs + b"\0", tensors, tensor_bytes.METADATA)):
         assert not tensor_bytes.saved_as(data, held, metadata)
 
 
