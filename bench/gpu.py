@@ -233,13 +233,13 @@ def bench(name: str, recipe: str | None, a, env: dict, peer: bool) -> dict:
     kept(identical=same)
     if recipe in DATA_FREE:  # its goal (issue 46): at most the time to read and write the model
         copy = os.path.join(work, "copy")
-        for durable, key in (((), "read_write"), (("--durable",), "read_write_fsync")):
+        for durable, figure in (((), "read_write"), (("--durable",), "read_write_fsync")):
             shutil.rmtree(copy, ignore_errors=True)
             floor, _ = measure_process([sys.executable, os.path.join(ROOT, "bench", "recipes.py"), "--copy-child",
                                         model, copy, *durable], os.path.join(work, "copy.log"))
             print(f"read + write of the model{' + fsync' if durable else ''}: {floor:.1f} s; ours "
                   f"x{ours['wall'] / floor:.2f} of it (target <= 1.0)", flush=True)
-            kept(**{f"{key}_wall": floor, f"{key}_ratio": ours["wall"] / floor})
+            kept(**{f"{figure}_wall": floor, f"{figure}_ratio": ours["wall"] / floor})
         shutil.rmtree(copy, ignore_errors=True)
     if a.durability:  # last: where a deadline cuts the bench short, the figures above are printed
         run_ours("0", out + "-0")
