@@ -32,25 +32,17 @@ DATA_FREE = ("fp8_dynamic",)
 
 def copy_model(model: str, out: str, durable: bool = False):
     """Every tensor of the model's safetensors files read, then written to `out` (the data-free floor); `durable`:
-    each file fsynced once written, and `out` at the end, as our run's commits and checkpoint are before it exits
-    (without, the writes are still in the page cache when the copy exits, on the disk some seconds later)."""
+    every file and `out` fsynced at the end, as our checkpoint is before the run exits (storage._fsync_tree, the
+    export's own); without, the writes are still in the page cache when the copy exits."""
     from safetensors.torch import load_file, save_file
+
+    from elastic_oneshot.durability.storage import _fsync_tree
 
     os.makedirs(out, exist_ok=True)
     for name in sorted(f for f in os.listdir(model) if f.endswith(".safetensors")):
         save_file(load_file(os.path.join(model, name)), os.path.join(out, name))
-        if durable:
-            _fsync(os.path.join(out, name))
     if durable:
-        _fsync(out)
-
-
-def _fsync(path: str):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        _fsync_tree(out)
 
 
 def codes_alone(model: str):

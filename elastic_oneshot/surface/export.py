@@ -293,8 +293,7 @@ def _by_layer(source: SourceModel, num_layers: int, layer_files: Callable[[int],
         if len(files) == 1 and tensor_bytes.saved_as(files[0][1], tensors, tensor_bytes.METADATA):
             yield _Made(files[0][1], tensors, local(files[0][0]))
         else:
-            data = tensor_bytes.save(tensors, tensor_bytes.METADATA)
-            yield _Made(data, tensor_bytes.load(data), None)
+            yield _Made(tensor_bytes.save(tensors, tensor_bytes.METADATA), tensors, None)
         del files, tensors  # before the next layer is read
     yield from shards(((name, source.read_stored([name])[name]) for name in sorted(source.weight_map)
                        if name not in replaced), SHARD_BYTES)
